@@ -1,0 +1,54 @@
+"""The ``flashnpu`` command line: one entry point, one sub-command per user task.
+
+Each sub-command lives beside the code it drives and registers itself through
+``register(subparsers)``; its handler returns the exit status.  Exit status 2
+means bad input (one clear line on stderr, nothing written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# sub-command name -> module that defines register(subparsers)
+COMMANDS = {
+    "sim": "flashnpu.sim.cli",
+    "waves": "flashnpu.sim.waves",
+    "decode": "flashnpu.driver.cli",
+    "verilog": "flashnpu.hdl.cli",
+    "fpga": "flashnpu.scripts.fpga",
+    "bench": "flashnpu.scripts.bench",
+}
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashnpu", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module in COMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue                      # sub-command not built yet
+        mod.register(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as e:
+        print(f"flashnpu {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
