@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 
 # Knobs (declared once).
 SIM       ?= verilator
-BACKEND   ?= rtl
+BACKEND   ?= golden
 HEADS     ?= 2
 KV_HEADS  ?= $(HEADS)
 SEQ_Q     ?= 256
