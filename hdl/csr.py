@@ -1,0 +1,223 @@
+"""Control/status registers: named registers with typed fields and access
+modes, collected into a memory map, and the bus-facing register bank.
+
+In the spirit of amaranth-soc's ``csr.Register`` / ``csr.Builder`` /
+``MemoryMap`` (amaranth-soc is not on the package index, so the project keeps
+this small block of its own).  The memory map is the one source of truth: the
+RTL bank is elaborated from it and the host driver reads its addresses from
+the same object (``RegisterMap.to_dict()`` is also written beside generated
+Verilog), so no address is typed twice.
+
+Bus (one 32-bit word per register address, byte address = 4 x word)::
+
+    host ──addr/w_en/w_data──►┌──────────┐──reg.value──► hardware   (rw)
+         ◄──r_data (1 cycle)──│ CSRBank  │◄─reg.status── hardware   (ro)
+                              └──────────┘──reg.pulse──► hardware   (w1p: one-cycle strobe)
+
+Access modes
+------------
+``rw``   host reads and writes; hardware sees the stored value.
+``ro``   host reads what hardware drives; writes are ignored.
+``w1p``  writing 1 to a bit gives hardware a one-cycle pulse; reads as 0.
+``w1c``  hardware sets bits (``set`` input); host writes 1 to clear; reads
+         the sticky value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from amaranth import Module, Signal
+from amaranth.lib import wiring
+from amaranth.lib.wiring import In, Out
+
+__all__ = ["Field", "Register", "RegisterMap", "CSRBank", "ACCESS_MODES"]
+
+ACCESS_MODES = ("rw", "ro", "w1p", "w1c")
+
+
+@dataclass(frozen=True)
+class Field:
+    """A named bit field of a register (``offset`` in bits from the LSB)."""
+
+    name: str
+    width: int
+    offset: int = 0
+    doc: str = ""
+
+
+@dataclass
+class Register:
+    """A 32-bit register.
+
+    Parameters
+    ----------
+    name : str, an identifier
+    access : one of ``ACCESS_MODES``
+    fields : list of Field (default: one field ``value`` of 32 bits)
+    doc : str
+    reset : int, reset value of ``rw`` registers
+
+    Raises
+    ------
+    ValueError for an unknown access mode, overlapping fields or fields that
+    do not fit in 32 bits.
+    """
+
+    name: str
+    access: str
+    fields: list = field(default_factory=list)
+    doc: str = ""
+    reset: int = 0
+    address: int | None = None      # word address, set by RegisterMap
+
+    def __post_init__(self):
+        if self.access not in ACCESS_MODES:
+            raise ValueError(f"register {self.name!r}: access must be one of {ACCESS_MODES}, not {self.access!r}")
+        if not self.fields:
+            self.fields = [Field("value", 32)]
+        used = 0
+        for f in self.fields:
+            if f.width <= 0 or f.offset < 0 or f.offset + f.width > 32:
+                raise ValueError(f"register {self.name!r}: field {f.name!r} does not fit in 32 bits")
+            bits = ((1 << f.width) - 1) << f.offset
+            if used & bits:
+                raise ValueError(f"register {self.name!r}: field {f.name!r} overlaps another field")
+            used |= bits
+
+    def field(self, name) -> Field:
+        for f in self.fields:
+            if f.name == name:
+                return f
+        raise KeyError(f"register {self.name!r} has no field {name!r}")
+
+    def pack(self, **values) -> int:
+        """Word value with the named fields set (ValueError if one does not fit)."""
+        word = 0
+        for k, v in values.items():
+            f = self.field(k)
+            if not 0 <= int(v) < (1 << f.width):
+                raise ValueError(f"{self.name}.{k}={v!r} does not fit in {f.width} bits")
+            word |= int(v) << f.offset
+        return word
+
+    def unpack(self, word: int) -> dict:
+        return {f.name: (word >> f.offset) & ((1 << f.width) - 1) for f in self.fields}
+
+
+class RegisterMap:
+    """An ordered collection of registers with word addresses.
+
+    ``add`` places a register at the next free word (or at ``address``);
+    ``to_dict`` gives the memory map as plain data (name -> byte address,
+    access, fields) for the driver and the Verilog sidecar.
+    """
+
+    def __init__(self, name: str = "csr"):
+        self.name = name
+        self._regs: dict[str, Register] = {}
+        self._next = 0
+
+    def add(self, reg: Register, address: int | None = None) -> Register:
+        if reg.name in self._regs:
+            raise ValueError(f"register name {reg.name!r} is used twice")
+        addr = self._next if address is None else address
+        if any(r.address == addr for r in self._regs.values()):
+            raise ValueError(f"register {reg.name!r}: word address {addr} is taken")
+        reg.address = addr
+        self._regs[reg.name] = reg
+        self._next = max(self._next, addr + 1)
+        return reg
+
+    def __getitem__(self, name) -> Register:
+        try:
+            return self._regs[name]
+        except KeyError:
+            raise KeyError(f"no register named {name!r} in {self.name}") from None
+
+    def __iter__(self):
+        return iter(sorted(self._regs.values(), key=lambda r: r.address))
+
+    def __len__(self):
+        return len(self._regs)
+
+    @property
+    def addr_width(self) -> int:
+        return max(1, (self._next - 1).bit_length())
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name, "word_bytes": 4,
+            "registers": [
+                dict(name=r.name, address=4 * r.address, access=r.access, doc=r.doc, reset=r.reset,
+                     fields=[dict(name=f.name, offset=f.offset, width=f.width, doc=f.doc) for f in r.fields])
+                for r in self],
+        }
+
+
+class CSRBank(wiring.Component):
+    """The register bank elaborated from a ``RegisterMap``.
+
+    Ports
+    -----
+    addr : In(addr_width)   word address
+    w_en : In(1), w_data : In(32)   write strobe and data (takes effect at the clock edge)
+    r_en : In(1)            read strobe; ``r_data`` is valid in the next cycle
+    r_data : Out(32)
+
+    Hardware side, per register (attributes of ``bank.regs[name]``):
+    ``rw``: ``value`` Out(32) (the stored word); ``ro``: ``status`` In(32);
+    ``w1p``: ``pulse`` Out(32) (one cycle); ``w1c``: ``set`` In(32) and
+    ``value`` Out(32).
+    """
+
+    def __init__(self, regmap: RegisterMap):
+        self.regmap = regmap
+        sig = {"addr": In(regmap.addr_width), "w_en": In(1), "w_data": In(32),
+               "r_en": In(1), "r_data": Out(32)}
+        for r in regmap:
+            if r.access == "rw":
+                sig[f"{r.name}__value"] = Out(32, init=r.reset)
+            elif r.access == "ro":
+                sig[f"{r.name}__status"] = In(32)
+            elif r.access == "w1p":
+                sig[f"{r.name}__pulse"] = Out(32)
+            else:
+                sig[f"{r.name}__set"] = In(32)
+                sig[f"{r.name}__value"] = Out(32)
+        super().__init__(sig)
+
+    def port(self, reg: str, kind: str) -> Signal:
+        """The hardware-side signal ``kind`` ('value', 'status', 'pulse', 'set') of ``reg``."""
+        return getattr(self, f"{reg}__{kind}")
+
+    def elaborate(self, platform):
+        m = Module()
+        hit = {r.name: (self.addr == r.address) for r in self.regmap}
+        read_mux = 0
+        for r in self.regmap:
+            if r.access == "rw":
+                v = self.port(r.name, "value")
+                with m.If(self.w_en & hit[r.name]):
+                    m.d.sync += v.eq(self.w_data)
+                read_val = v
+            elif r.access == "ro":
+                read_val = self.port(r.name, "status")
+            elif r.access == "w1p":
+                p = self.port(r.name, "pulse")
+                m.d.sync += p.eq(0)
+                with m.If(self.w_en & hit[r.name]):
+                    m.d.sync += p.eq(self.w_data)
+                read_val = 0
+            else:  # w1c
+                v = self.port(r.name, "value")
+                clear = Signal(32, name=f"{r.name}_clear")
+                m.d.comb += clear.eq(0)
+                with m.If(self.w_en & hit[r.name]):
+                    m.d.comb += clear.eq(self.w_data)
+                m.d.sync += v.eq((v & ~clear) | self.port(r.name, "set"))
+                read_val = v
+            read_mux = hit[r.name].replicate(32) & read_val | read_mux
+        with m.If(self.r_en):
+            m.d.sync += self.r_data.eq(read_mux)
+        return m
