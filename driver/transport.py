@@ -1,0 +1,293 @@
+"""How the host driver hands attention jobs to the NPU: the ``Transport`` interface.
+
+One ``AttentionJob`` is what the NPU's command queue takes for one layer
+call: the query block, the layer's KV-cache window exactly as it sits in
+the NPU's stacked DRAM (FP16), an explicit mask over cache slots, and the
+softmax scale.  A backend runs it and returns the FP32 output and per-job
+statistics::
+
+     driver                              Transport backend
+    ┌──────────────────────────┐  job   ┌──────────────────────────────────┐
+    │ q      f16 [H, Lq, d]    │ ─────► │ golden: flash_attention_hw        │
+    │ k, v   f16 [G, W, d]     │        │         (bit-exact NPU model)     │
+    │ mask   bool [Lq, W]      │        │ rtl:    generated Verilog under   │
+    │ scale, q_offset,         │ ◄───── │         cocotb (plugs in later)   │
+    │ kv_valid_len             │ result └──────────────────────────────────┘
+    └──────────────────────────┘ o f32 [H, Lq, d], cycles, bytes
+
+H query heads, G kv heads (query head h reads kv head h // (H / G)), Lq
+query rows, W the slots of the selected KV window (a generate variant's
+capacity), d = head_dim.
+
+Grouped-query mapping: all H query heads of a layer travel in ONE job; the
+heads that share a kv head are stacked on the PE rows of a q tile, so a K/V
+tile is fetched once for the whole group.  ``job_bytes`` states the traffic
+model that follows from it; the golden backend reports that model (it has no
+clock), a hardware backend reports what its counters measured.
+
+Adding a backend: subclass ``Transport``, implement ``_run``, and
+``register_backend("name", factory)``; the CLI lists every registered name.
+A backend that cannot start raises ``BackendUnavailable`` with a message for
+the user.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from flashnpu.config import DEFAULT, NPUConfig
+
+__all__ = [
+    "AttentionJob", "JobResult", "TransportCounters", "Transport", "GoldenTransport",
+    "BackendUnavailable", "register_backend", "make_transport", "backend_names", "job_bytes",
+]
+
+FP16_BYTES = 2
+FP32_BYTES = 4
+
+
+@dataclass
+class AttentionJob:
+    """One attention call of one layer, as the NPU receives it.
+
+    Attributes
+    ----------
+    layer : int
+        Block index (for tracing; the NPU does not need it).
+    q : float16 [heads, seq_q, head_dim]
+        Queries after RoPE.
+    k, v : float16 [kv_heads, window, head_dim]
+        The layer's KV cache, slots 0..window-1, as stored in NPU DRAM (a view
+        of the driver's buffer; a backend must not write it).
+    mask : bool [seq_q, window]
+        True where query row i may attend slot j.  Slots that are not valid
+        are False whatever garbage they hold.
+    scale : float
+        Softmax scale (1/sqrt(head_dim) for Llama).
+    q_offset : int
+        Position of query row 0; with contiguous valid slots the mask equals
+        ``(j < kv_valid_len) & (j <= q_offset + i)`` (a controller may take
+        these two numbers instead of the mask).
+    kv_valid_len : int
+        Valid slots in the window after this job's K/V were written.
+    """
+
+    layer: int
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    mask: np.ndarray
+    scale: float
+    q_offset: int
+    kv_valid_len: int
+
+    def __post_init__(self):
+        for name in ("q", "k", "v"):
+            a = getattr(self, name)
+            if a.dtype != np.float16 or a.ndim != 3:
+                raise ValueError(f"job.{name} must be float16 with 3 dimensions, not {a.dtype} {a.shape}")
+        heads, seq_q, d = self.q.shape
+        kv_heads, window, dk = self.k.shape
+        if self.v.shape != self.k.shape or dk != d:
+            raise ValueError(f"job shapes disagree: q {self.q.shape}, k {self.k.shape}, v {self.v.shape}")
+        if heads % kv_heads:
+            raise ValueError(f"job heads={heads} is not a multiple of kv_heads={kv_heads}")
+        if self.mask.dtype != np.bool_ or self.mask.shape != (seq_q, window):
+            raise ValueError(f"job.mask must be bool [{seq_q}, {window}], not {self.mask.dtype} {self.mask.shape}")
+
+    @property
+    def heads(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def seq_q(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def window(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[2]
+
+
+@dataclass
+class JobResult:
+    """What a backend returns for one job.
+
+    Attributes
+    ----------
+    o : float32 [heads, seq_q, head_dim]
+    cycles : int or None
+        NPU cycles of the job (None when the backend has no clock).
+    bytes : dict
+        Bytes moved by the job per stream: ``q``, ``kv`` (K and V read from
+        DRAM), ``o`` (output written).
+    """
+
+    o: np.ndarray
+    cycles: int | None
+    bytes: dict
+
+
+@dataclass
+class TransportCounters:
+    """Running totals of a transport since its last ``reset_counters``.
+
+    ``cycles`` is None as soon as one job came back without a cycle count.
+    """
+
+    jobs: int = 0
+    q_bytes: int = 0
+    kv_bytes: int = 0
+    o_bytes: int = 0
+    cycles: int | None = 0
+    per_layer_jobs: dict = field(default_factory=dict)
+
+    @property
+    def bytes(self) -> int:
+        return self.q_bytes + self.kv_bytes + self.o_bytes
+
+
+def job_bytes(job: AttentionJob, config: NPUConfig = DEFAULT) -> dict:
+    """DRAM traffic of ``job`` under the grouped-query tile mapping.
+
+    Model (stated assumptions): the ``heads // kv_heads`` query heads that
+    share a kv head are stacked on the rows of q tiles of ``config.br`` rows
+    (``ceil(group * seq_q / br)`` q tiles per kv head); every q tile streams
+    K and V of every slot of the job's window in FP16 (a static-shape job:
+    the window is the selected generate variant, and the descriptor does not
+    say which slots are valid, so nothing is skipped); Q is read once in
+    FP16, O written once in FP32.
+
+    Returns
+    -------
+    dict with integer byte counts ``q``, ``kv``, ``o``.
+    """
+    group = job.heads // job.kv_heads
+    q_tiles = math.ceil(group * job.seq_q / config.br)
+    return dict(
+        q=job.q.size * FP16_BYTES,
+        kv=2 * job.kv_heads * q_tiles * job.window * job.head_dim * FP16_BYTES,
+        o=job.heads * job.seq_q * job.head_dim * FP32_BYTES,
+    )
+
+
+class Transport(abc.ABC):
+    """The NPU as the driver sees it: run attention jobs, count what they cost.
+
+    Subclasses implement ``_run``; ``run`` checks the result and keeps the
+    counters.  ``name`` is the backend name; ``config`` the NPU configuration
+    (the driver reads ``config.bc`` to round its KV windows to kv tiles).
+    """
+
+    name = "abstract"
+
+    def __init__(self, config: NPUConfig = DEFAULT):
+        if not isinstance(config, NPUConfig):
+            raise TypeError(f"config must be an NPUConfig, not {config!r}")
+        self.config = config
+        self.counters = TransportCounters()
+
+    @property
+    def has_cycles(self) -> bool:
+        """Whether jobs report NPU cycles."""
+        return False
+
+    def reset_counters(self) -> None:
+        self.counters = TransportCounters()
+
+    def run(self, job: AttentionJob) -> JobResult:
+        """Run one job and add its cost to ``counters``.
+
+        Raises
+        ------
+        ValueError
+            if the head_dim is above the NPU's ``max_head_dim``, or the
+            backend returns an output of the wrong shape or dtype.
+        """
+        self.config.check_head_dim(job.head_dim)
+        res = self._run(job)
+        want = (job.heads, job.seq_q, job.head_dim)
+        if res.o.shape != want or res.o.dtype != np.float32:
+            raise ValueError(f"backend {self.name!r} returned o {res.o.dtype} {res.o.shape}, expected float32 {want}")
+        c = self.counters
+        c.jobs += 1
+        c.per_layer_jobs[job.layer] = c.per_layer_jobs.get(job.layer, 0) + 1
+        c.q_bytes += int(res.bytes.get("q", 0))
+        c.kv_bytes += int(res.bytes.get("kv", 0))
+        c.o_bytes += int(res.bytes.get("o", 0))
+        c.cycles = None if (c.cycles is None or res.cycles is None) else c.cycles + int(res.cycles)
+        return res
+
+    @abc.abstractmethod
+    def _run(self, job: AttentionJob) -> JobResult:
+        """Backend-specific execution of one job."""
+
+    def close(self) -> None:
+        """Release simulator processes or devices (nothing by default)."""
+
+
+class GoldenTransport(Transport):
+    """Runs jobs on the bit-exact golden model ``flash_attention_hw``.
+
+    The result is bit-identical to what the RTL must produce.  No clock:
+    ``cycles`` is None; bytes follow ``job_bytes``.
+    """
+
+    name = "golden"
+
+    def _run(self, job: AttentionJob) -> JobResult:
+        from flashnpu.golden import flash_attention_hw
+
+        res = flash_attention_hw(job.q, job.k, job.v, mask=job.mask, scale=job.scale, config=self.config)
+        return JobResult(o=res.o, cycles=None, bytes=job_bytes(job, self.config))
+
+
+class BackendUnavailable(RuntimeError):
+    """A registered backend cannot run here (missing hardware model, simulator...)."""
+
+
+def _rtl_unavailable(config: NPUConfig = DEFAULT, **_):
+    raise BackendUnavailable("the rtl backend needs the NPU top level; not built yet")
+
+
+_BACKENDS: dict = {"golden": GoldenTransport, "rtl": _rtl_unavailable}
+
+
+def register_backend(name: str, factory) -> None:
+    """Register (or replace) backend ``name``; ``factory(config=..., **options)`` returns a Transport."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"backend name must be an identifier, not {name!r}")
+    if not callable(factory):
+        raise TypeError(f"backend factory must be callable, not {factory!r}")
+    _BACKENDS[name] = factory
+
+
+def backend_names() -> list:
+    """Names of the registered backends."""
+    return sorted(_BACKENDS)
+
+
+def make_transport(name: str, config: NPUConfig = DEFAULT, **options) -> Transport:
+    """Create the transport of backend ``name``.
+
+    Raises
+    ------
+    ValueError
+        unknown backend name (the message lists the known ones).
+    BackendUnavailable
+        the backend exists but cannot run here.
+    """
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; known: {', '.join(backend_names())}")
+    return _BACKENDS[name](config=config, **options)
