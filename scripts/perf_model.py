@@ -1,0 +1,904 @@
+"""Fast analytical (transaction-level) performance model of the NPU.
+
+It produces, for any attention job, the same counter set as the RTL NPU's
+performance counters (``Counters``), for the register-level design and for
+the SRAM-spill baseline, in milliseconds of host time even at 32k tokens.
+
+Dataflow that is counted (one q tile x one kv tile, R x C array, each PE
+holding a wr x wc block of S and a wr x od block of O_acc, od = ceil(d / C))::
+
+    DRAM ──TSV──► SRAM ──Q tile (once per q tile)──► Q buffer ──rows──┐
+      ▲            │ ──K tile, V tile (once per pair)──── columns ──► PE array
+      │            ▼                                                  │ S, m, l,
+      └──TSV── SRAM ◄── O (once per q tile) ◄───────────────────────── O_acc in
+                                                                         registers
+    per q tile : init (m, l, O_acc)                                 [core INIT]
+    per pair   : S phase d·wr·wc + softmax program + PV Bc·wr·od    [S, SM, PV]
+    per q tile : final (reciprocal, O = O_acc/l) + read-out Br·od+1 [FINAL, OUT]
+    plus the cycles the core waits for a tile buffer (DMA stall)    [WAIT_*]
+
+    baseline ("ordinary NPU"): after Q·Kᵀ the S tile (FP32) is drained to
+    ``spill_level`` and read back for the softmax, P (FP16) written back and
+    read again for P·V; everything else is identical.
+
+The counters follow the definitions of the RTL core (``hdl/core.py``): MAC
+slots = R·C per MAC cycle, exp2 = R·C per PEXP/MALPHA cycle, reciprocals =
+R per start, softmax cycles = cycles in the softmax program.  Two of them
+therefore differ from ``golden.op_counts`` on purpose: exp2 counts the alpha
+that every PE of a row evaluates for itself (br·C instead of br per pair),
+and MAC slots count the idle O columns when head_dim is not a multiple of C.
+Phase lengths come from the RTL's own micro-programs when they can be read
+(``rtl_program_cycles``), else from formulas; ``Timing`` holds every figure
+and ``calibrate_timing`` fits it to the RTL counters.
+
+Design trade-off of the model itself: every pair of one q tile costs the same
+except the last (partial) kv tile, so the model is closed-form per q tile;
+only DMA stalls look at neighbouring pairs (prefetch of the next pair's K/V
+during the current pair).  Nothing is simulated cycle by cycle; the RTL
+validation test (``tb/test_perf_model.py``) is what keeps the formulas
+honest.
+
+Every ASSUMPTION is marked where it is made.  The main ones:
+
+* the phases of a pair run back to back (the core does; the architecture's
+  target of hiding the softmax is ``Timing.overlap_softmax``);
+* a q tile always costs a full tile of cycles, however few of its rows are
+  valid (decode: 3 valid rows of 64 still take a full tile);
+* padding keys and rows are neither fetched from DRAM nor read from SRAM
+  (masked keys never touch the result), but their MAC and exp2 slots are
+  executed and counted;
+* O is written back as FP32 (the core streams binary32 O);
+* the DMA prefetches the next pair's K/V (and the next q tile's Q) while the
+  current pair computes; only the shortfall stalls the array;
+* byte counters count whole bus words (``sram_bank_bytes``) per tile row;
+* register traffic: 4 bytes per 32-bit register access, one access per
+  operand read or result write of each control word.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from flashnpu.config import DEFAULT, NPUConfig
+
+__all__ = ["Job", "Timing", "rtl_program_cycles", "Counters", "OpDetail", "ModelResult", "model", "RTL_COUNTER_FIELDS",
+           "rtl_counters", "rtl_core_counters", "RTLUnavailable", "counters_from_stats", "calibrate_timing", "kv_tile_intensity",
+           "roofs", "useful_flops", "SPILL_LEVELS", "DESIGNS", "compare"]
+
+DESIGNS = ("register", "baseline")
+#: where the baseline keeps its S/P tile.  ``unfused``: the ordinary NPU that
+#: keeps the whole S row block (Br x seq_kv, FP32 S and FP16 P) in the stacked
+#: SRAM while it fits next to the K/V buffers, and spills it to
+#: ``overflow_level`` when it does not.
+SPILL_LEVELS = ("sram", "stacked_dram", "offchip", "unfused")
+
+#: Counters the RTL NPU exposes; the validation test compares exactly these.
+RTL_COUNTER_FIELDS = ("total_cycles", "mac_busy_cycles", "softmax_cycles", "dma_stall_cycles",
+                      "reg_bytes", "sram_bytes", "tsv_bytes", "dram_bytes",
+                      "mac_ops", "exp2_ops", "recip_ops")
+
+FP16, FP32 = 2, 4          # bytes per element
+REG_BYTES = 4              # one 32-bit register access
+
+
+@dataclass(frozen=True)
+class Job:
+    """One attention job.
+
+    Parameters
+    ----------
+    heads, kv_heads : int
+        Query heads and K/V heads (grouped-query: heads % kv_heads == 0;
+        ``kv_heads=None`` means heads).
+    seq_q, seq_kv : int
+        Query rows and keys per head.
+    head_dim : int
+        d, 1 .. config.max_head_dim.
+    causal : bool
+        Bottom-right aligned causal mask: key j visible to query i when
+        j <= i + (seq_kv - seq_q).
+    """
+
+    heads: int
+    seq_q: int
+    seq_kv: int
+    head_dim: int
+    kv_heads: int | None = None
+    causal: bool = False
+
+    def __post_init__(self):
+        for name in ("heads", "seq_q", "seq_kv", "head_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, not {v!r}")
+        kv = self.heads if self.kv_heads is None else self.kv_heads
+        if not isinstance(kv, int) or kv <= 0 or self.heads % kv:
+            raise ValueError(f"kv_heads must be a positive divisor of heads={self.heads}, not {kv!r}")
+        object.__setattr__(self, "kv_heads", kv)
+
+    @property
+    def group(self) -> int:
+        """Query heads per K/V head."""
+        return self.heads // self.kv_heads
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@functools.lru_cache(maxsize=256)
+def rtl_program_cycles(config: NPUConfig, head_dim: int) -> dict | None:
+    """Run-time lengths (cycles) of the core's micro-programs, read from the RTL.
+
+    ``flashnpu.hdl.core`` builds the init, softmax and final programs as
+    lists of control words; this walks them the way the core's sequencer
+    does: one word per cycle, O-column words beyond ``od = ceil(head_dim/C)``
+    skipped, and a word that waits for a reciprocal stalls until
+    ``Recip.LATENCY`` + 1 cycles after the word that started it (ASSUMPTION:
+    one cycle for the registered control word).
+
+    Returns
+    -------
+    dict or None
+        ``init``, ``softmax``, ``final`` (cycles), or None when the RTL core
+        cannot be imported or its programs do not have the expected form.
+    """
+    try:
+        from flashnpu.hdl.core import final_program, init_program, softmax_program
+        from flashnpu.hdl.fpu import Recip
+        od = config.o_cols_per_pe(head_dim)
+        odm = config.o_cols_per_pe(config.max_head_dim)
+
+        def run(prog):
+            t, pc, ready = 0, 0, {}
+            while pc < len(prog):
+                w = prog[pc]
+                ctl = w["ctl"]
+                if w.get("wait") and ctl["ret_sel"] in ready:
+                    t = max(t, ready[ctl["ret_sel"]])
+                if ctl.get("rcp"):
+                    ready[ctl["tag"]] = t + 1 + Recip.LATENCY
+                t += 1
+                if w.get("last"):
+                    break
+                pc += 1 + (odm - od if w.get("ocol") and w.get("n") == od - 1 else 0)
+            return t
+
+        return dict(init=run(init_program(config)), softmax=run(softmax_program(config)),
+                    final=run(final_program(config)))
+    except Exception:            # no RTL yet, or a program of another form: use the formulas
+        return None
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Cycle costs that the RTL fixes.
+
+    Each phase length is taken, in this order, from an ``*_override`` (a
+    figure calibrated from the RTL counters, see ``calibrate_timing``), from
+    the RTL core's own micro-programs (``rtl_program_cycles``) when
+    ``use_rtl_programs`` and ``flashnpu.hdl.core`` imports, or from a formula
+    (ASSUMPTION) otherwise.
+
+    Attributes
+    ----------
+    softmax_override, init_override, final_override : int or None
+        Softmax phase of one pair; m/l/O_acc initialisation and O = O_acc/l
+        normalisation of one q tile (cycles).
+    use_rtl_programs : bool
+        Read the phase lengths from ``flashnpu.hdl.core`` when possible.
+    elem_cycles, tree_level_cycles, exp2_latency : int
+        Formula fallback: cycles per S element per pass in one PE, per
+        reduction-tree level, and exp2 pipeline latency.
+    recip_cycles : int
+        Latency of one reciprocal (27 cycles, the RTL's ``Recip.LATENCY``).
+    qtile_gap_cycles : int
+        Cycles per q tile outside the micro-programs and the MAC phases: the
+        core passes through WAIT_K for one cycle after INIT even when K is
+        there (1, measured on the RTL core; not a stall).
+    readout_bytes_per_cycle : int or None
+        O read-out: one FP32 per PE column per cycle (C x 4 bytes), one beat
+        per (row, O column) of the PE, Br·od beats + 1 priming cycle.
+    overlap_softmax : bool
+        Hide the softmax phase behind the MAC stream (the architecture's
+        target; the RTL core runs the phases back to back).
+    spill_bytes_per_cycle : int or None
+        Baseline: bytes per cycle the array can drain to / load from the spill
+        level (default C x 4, one FP32 per PE column per cycle).  ASSUMPTION.
+    offchip_bytes_per_cycle : int
+        Off-chip DRAM bandwidth for the baseline's spills (64 B/cycle = 96
+        GB/s at 1.5 GHz, an LPDDR5X-class x64 interface).  ASSUMPTION.
+    offchip_latency_cycles : int
+        Off-chip DRAM read latency (150 cycles = 100 ns).  ASSUMPTION.
+    """
+
+    softmax_override: int | None = None
+    init_override: int | None = None
+    final_override: int | None = None
+    use_rtl_programs: bool = True
+    elem_cycles: int = 1
+    tree_level_cycles: int = 1
+    exp2_latency: int = 4
+    recip_cycles: int = 27
+    qtile_gap_cycles: int = 1
+    readout_bytes_per_cycle: int | None = None
+    overlap_softmax: bool = False
+    spill_bytes_per_cycle: int | None = None
+    offchip_bytes_per_cycle: int = 64
+    offchip_latency_cycles: int = 150
+
+    def _rtl(self, config, head_dim):
+        return rtl_program_cycles(config, head_dim) if self.use_rtl_programs else None
+
+    def source(self, config: NPUConfig, head_dim: int) -> str:
+        """Where the softmax-phase length comes from: override, rtl or formula."""
+        if self.softmax_override is not None:
+            return "calibrated"
+        return "rtl micro-program" if self._rtl(config, head_dim) else "formula (ASSUMPTION)"
+
+    def softmax_cycles(self, config: NPUConfig, head_dim: int) -> int:
+        """Length of the softmax phase of one pair (cycles).
+
+        Formula fallback: scale+mask, local max (wr·wc each), max tree (L),
+        m_new and alpha (wr + exp2 latency + wr), P = exp2 (wr·wc + exp2
+        latency), local sum (wr·wc), sum tree (L), l update (wr), O_acc
+        rescale (wr·od).
+        """
+        if self.softmax_override is not None:
+            return int(self.softmax_override)
+        rtl = self._rtl(config, head_dim)
+        if rtl:
+            return rtl["softmax"]
+        wr, wc, od = config.rows_per_pe, config.cols_per_pe, config.o_cols_per_pe(head_dim)
+        L, e = config.tree_levels, self.elem_cycles
+        return (2 * wr * wc * e + L * self.tree_level_cycles       # scale+mask, local max, tree
+                + wr + self.exp2_latency + wr                       # m_new, alpha = exp2(.)
+                + wr * wc * e + self.exp2_latency                   # P = exp2(S - m), fp16 round
+                + wr * wc * e + L * self.tree_level_cycles          # local sum, tree
+                + wr + wr * od)                                     # l update, O_acc rescale
+
+    def init_cycles(self, config: NPUConfig, head_dim: int) -> int:
+        """m = -inf, l = 0, O_acc = 0 per q tile: 2·wr + wr·od words (cycles)."""
+        if self.init_override is not None:
+            return int(self.init_override)
+        rtl = self._rtl(config, head_dim)
+        if rtl:
+            return rtl["init"]
+        wr, od = config.rows_per_pe, config.o_cols_per_pe(head_dim)
+        return 2 * wr + wr * od
+
+    def final_cycles(self, config: NPUConfig, head_dim: int) -> int:
+        """O = O_acc · (1/l) per q tile: per PE row, load l, start the
+        reciprocal, wait for it, scale od O columns (cycles)."""
+        if self.final_override is not None:
+            return int(self.final_override)
+        rtl = self._rtl(config, head_dim)
+        if rtl:
+            return rtl["final"]
+        wr, od = config.rows_per_pe, config.o_cols_per_pe(head_dim)
+        return wr * (2 + self.recip_cycles + od)
+
+    def out_cycles(self, config: NPUConfig, head_dim: int) -> int:
+        """O read-out of one q tile: Br·od beats of C FP32 lanes, + 1 priming cycle."""
+        od = config.o_cols_per_pe(head_dim)
+        bw = self.readout_bytes_per_cycle or config.array_cols * FP32
+        return -(-config.br * od * config.array_cols * FP32 // bw) + 1
+
+    def replace(self, **changes) -> "Timing":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class Counters:
+    """The NPU's performance-counter set (``RTL_COUNTER_FIELDS``) plus two
+    model-only fields that the RTL does not have and that are 0 for the
+    register-level design.
+
+    Attributes
+    ----------
+    total_cycles : int
+        Cycles from start to done.
+    mac_busy_cycles : int
+        Cycles in which the array issues MACs (S and PV phases).
+    softmax_cycles : int
+        Softmax / reduction phase cycles plus the per-q-tile reciprocal and
+        O = O_acc / l scaling.
+    dma_stall_cycles : int
+        Cycles the array waits for DMA (job start, prefetch shortfall, final
+        O write-back).
+    reg_bytes, sram_bytes, tsv_bytes, dram_bytes : int
+        Bytes read + written at the PE register files, the stacked SRAM, the
+        TSV link between DRAM and logic, and the stacked DRAM.
+    mac_ops, exp2_ops, recip_ops : int
+        MAC slots issued (incl. padding rows/keys of a tile), exp2 ops (P and
+        alpha), reciprocals.
+    spill_cycles : int
+        Model only: baseline cycles spent moving S/P to and from the spill
+        level, not hidden behind compute.
+    offchip_bytes : int
+        Model only: baseline bytes spilled to off-chip DRAM.
+    """
+
+    total_cycles: int = 0
+    mac_busy_cycles: int = 0
+    softmax_cycles: int = 0
+    dma_stall_cycles: int = 0
+    reg_bytes: int = 0
+    sram_bytes: int = 0
+    tsv_bytes: int = 0
+    dram_bytes: int = 0
+    mac_ops: int = 0
+    exp2_ops: int = 0
+    recip_ops: int = 0
+    spill_cycles: int = 0
+    offchip_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def rtl_view(self) -> dict:
+        """Only the fields the RTL counters have."""
+        return {k: getattr(self, k) for k in RTL_COUNTER_FIELDS}
+
+
+@dataclass
+class OpDetail:
+    """Arithmetic outside the MAC array's MACs, for the energy model (ops).
+
+    fp32_mul : score scaling, alpha·l, alpha·O_acc, O·(1/l)
+    fp32_add : compares (max), subtracts (S - m, m_old - m_new), sums
+    operand_bytes : FP16 operand movement across the array, in bytes x PE
+        hops: K and V down the R PEs of a column, Q and P along the C PEs of
+        a row (ASSUMPTION: a broadcast wire spanning C PEs costs about what C
+        pipeline-register hops cost).  No RTL counter; energy only.
+    """
+
+    fp32_mul: int = 0
+    fp32_add: int = 0
+    operand_bytes: int = 0
+
+
+@dataclass
+class ModelResult:
+    """Output of ``model``: counters, op detail and the tile bookkeeping.
+
+    Attributes
+    ----------
+    counters : Counters
+    ops : OpDetail
+    job : Job
+    design : str
+    spill_level : str or None
+        Where the baseline put S/P (``None`` for the register-level design;
+        for ``unfused`` the level actually used).
+    q_tiles, kv_tiles, tile_pairs : int
+        q tiles of the job, kv tiles per head, pairs actually computed.
+    useful_flops : int
+        2 FLOP per MAC of visible (query, key) pairs: 4·d per visible pair.
+    bytes_detail : dict
+        Bytes per level split by what moved them (for the report).
+    config : NPUConfig
+    """
+
+    counters: Counters
+    ops: OpDetail
+    job: Job
+    design: str
+    spill_level: str | None
+    q_tiles: int
+    kv_tiles: int
+    tile_pairs: int
+    useful_flops: int
+    bytes_detail: dict = field(default_factory=dict)
+    config: NPUConfig = DEFAULT
+
+    @property
+    def seconds(self) -> float:
+        return self.counters.total_cycles / self.config.clock_hz
+
+    @property
+    def mac_utilization(self) -> float:
+        """MAC slots issued / (total cycles x R·C)."""
+        c = self.counters
+        return c.mac_ops / max(1, c.total_cycles * self.config.macs_per_cycle)
+
+    @property
+    def achieved_flops(self) -> float:
+        """Useful FLOP/s."""
+        return self.useful_flops / self.seconds if self.seconds else 0.0
+
+
+def useful_flops(job: Job) -> int:
+    """4·d FLOP per visible (query, key) pair, summed over heads."""
+    if not job.causal:
+        vis = job.seq_q * job.seq_kv
+    else:
+        i = np.arange(job.seq_q, dtype=np.int64)
+        vis = int(np.clip(i + (job.seq_kv - job.seq_q) + 1, 0, job.seq_kv).sum())
+    return 4 * job.head_dim * job.heads * int(vis)
+
+
+def _mapping(job: Job, config: NPUConfig, stack_decode: bool):
+    """Units that share K/V and the query rows each unit puts on the array.
+
+    Decode (seq_q == 1) with grouped-query heads stacks the ``group`` query
+    heads of one K/V head on PE rows (one unit per K/V head); otherwise each
+    query head is its own unit.  Returns (units, rows, stacked).
+    """
+    if stack_decode and job.seq_q == 1 and job.group > 1:
+        return job.kv_heads, job.group * job.seq_q, True
+    return job.heads, job.seq_q, False
+
+
+def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
+          spill_level: str = "sram", overflow_level: str = "offchip", causal_skip: bool = True,
+          stack_decode: bool = True, kv_reuse: bool = False,
+          timing: Timing | None = None) -> ModelResult:
+    """Counters of one job on the register-level design or the baseline.
+
+    Parameters
+    ----------
+    job : Job
+    config : NPUConfig
+    design : {"register", "baseline"}
+    spill_level : {"sram", "stacked_dram", "offchip", "unfused"}
+        Baseline only: where S (FP32) and P (FP16) go between the phases.
+    overflow_level : {"stacked_dram", "offchip"}
+        ``unfused`` only: the level used when the S row block does not fit.
+    causal_skip : bool
+        Skip kv tiles that hide every key of every row of the q tile.
+    stack_decode : bool
+        Stack the query heads of a K/V group on PE rows when seq_q == 1.
+    kv_reuse : bool
+        Load each head's K/V from DRAM once (not once per pair) when K and V
+        of one head fit in half the SRAM.  ASSUMPTION: the first RTL DMA
+        reloads per pair, so the default is False.
+    timing : Timing, optional
+
+    Returns
+    -------
+    ModelResult
+
+    Raises
+    ------
+    ValueError
+        for an unknown design or spill level, or a head_dim the hardware
+        cannot take.
+    """
+    if design not in DESIGNS:
+        raise ValueError(f"design must be one of {DESIGNS}, not {design!r}")
+    if spill_level not in SPILL_LEVELS:
+        raise ValueError(f"spill_level must be one of {SPILL_LEVELS}, not {spill_level!r}")
+    if overflow_level not in ("stacked_dram", "offchip"):
+        raise ValueError(f"overflow_level must be 'stacked_dram' or 'offchip', not {overflow_level!r}")
+    config.check_head_dim(job.head_dim)
+    t = timing if timing is not None else Timing()
+    d, br, bc = job.head_dim, config.br, config.bc
+    R, C = config.array_rows, config.array_cols
+    wr, wc, od = config.rows_per_pe, config.cols_per_pe, config.o_cols_per_pe(d)
+
+    units, rows, stacked = _mapping(job, config, stack_decode)
+    nq = -(-rows // br)
+    nkv = -(-job.seq_kv // bc)
+
+    # --- per q tile (vectorised over the q tiles of one unit) ---------------
+    qt = np.arange(nq, dtype=np.int64)
+    valid_rows = np.minimum(br, rows - qt * br)
+    if stacked:
+        max_pos = np.full(nq, job.seq_q - 1, dtype=np.int64)
+    else:
+        max_pos = qt * br + valid_rows - 1
+    if job.causal and causal_skip:
+        last_key = max_pos + (job.seq_kv - job.seq_q)
+        n_pairs = np.where(last_key < 0, 0, np.minimum(nkv, last_key // bc + 1))
+    else:
+        n_pairs = np.full(nq, nkv, dtype=np.int64)
+    # valid keys of the last computed kv tile of each q tile
+    last_valid = np.where(n_pairs == nkv, job.seq_kv - (nkv - 1) * bc, bc)
+    keys_fetched = np.where(n_pairs > 0, (n_pairs - 1) * bc + last_valid, 0)  # keys per q tile
+
+    pairs_unit = int(n_pairs.sum())
+    pairs = units * pairs_unit
+    q_tiles = units * nq
+
+    # --- cycles ---------------------------------------------------------------
+    s_cyc = d * wr * wc                            # one MAC per PE per cycle
+    pv_cyc = bc * wr * od
+    sm_cyc = t.softmax_cycles(config, d)
+    sm_exposed = 0 if t.overlap_softmax else sm_cyc
+    pair_cyc = s_cyc + sm_exposed + pv_cyc
+    init_cyc = t.init_cycles(config, d)
+    final_cyc = t.final_cycles(config, d)
+    out_cyc = t.out_cycles(config, d)
+    qtile_cyc = init_cyc + final_cyc + out_cyc + t.qtile_gap_cycles   # per q tile, outside pairs
+
+    # Byte counters count bus words (ASSUMPTION, as the SRAM's counters do:
+    # a partial word moves a whole word), and every tile row starts on a word.
+    W = config.sram_bank_bytes
+
+    def rowb(nbytes):
+        return -(-nbytes // W) * W
+
+    # --- baseline S/P spill -----------------------------------------------------
+    level = None
+    s_bytes = br * rowb(bc * FP32)                # one S tile
+    p_bytes = br * rowb(bc * FP16)
+    spill_w = spill_r = s_bytes + p_bytes       # each written once and read once
+    spill_cyc_pair = 0
+    if design == "baseline":
+        level = spill_level
+        if level == "unfused":
+            row_block = br * job.seq_kv * (FP32 + FP16)
+            budget = config.sram_bytes - 2 * 2 * bc * d * FP16 - br * d * FP16
+            level = "sram" if row_block <= budget else overflow_level
+        egress = t.spill_bytes_per_cycle or C * FP32
+        lvl_bw = {"sram": config.sram_banks * config.sram_bank_bytes,
+                  "stacked_dram": config.dram_bytes_per_cycle,
+                  "offchip": t.offchip_bytes_per_cycle}[level]
+        lat = {"sram": 0, "stacked_dram": config.dram_latency_cycles,
+               "offchip": t.offchip_latency_cycles}[level]
+        bw = min(egress, lvl_bw)
+        # S drained after Q·Kᵀ and reloaded for the softmax, P drained after
+        # it and reloaded for P·V, each reload paying the level's read
+        # latency.  ASSUMPTION: none of it overlaps the MAC stream.
+        spill_cyc_pair = 2 * (-(-s_bytes // bw)) + 2 * (-(-p_bytes // bw)) + 2 * lat
+
+    # --- DMA (DRAM -> TSV -> SRAM, and O back) ------------------------------------
+    kv_row = 2 * rowb(d * FP16)                   # one K row and one V row
+    kv_unit_bytes = job.seq_kv * kv_row
+    reuse = kv_reuse and kv_unit_bytes <= config.sram_bytes // 2
+    q_dma = valid_rows * rowb(d * FP16)                           # per q tile
+    if reuse:
+        # q tile 0 loads its keys; a later q tile only what it needs beyond
+        kv_dma_tile = np.where(qt == 0, keys_fetched,
+                               np.maximum(0, keys_fetched - keys_fetched[0])) * kv_row
+    else:
+        kv_dma_tile = keys_fetched * kv_row
+    o_dma = valid_rows * rowb(d * FP32)
+    dram_unit = int(q_dma.sum() + kv_dma_tile.sum() + o_dma.sum())
+
+    dma_bw = min(config.dram_bytes_per_cycle, config.dram_channels * config.tsv_data_lanes // 8,
+                 config.sram_banks * config.sram_bank_bytes)
+    # DMA stalls (cycles the core waits for a tile buffer).  With two K/V
+    # halves, kv tile j+1 loads during the whole of pair j.  At a q-tile
+    # boundary the next Q loads from its release (after the last S phase)
+    # through softmax, P·V, final, read-out and init; the next first K/V tile
+    # from the start of the last pair; the finished O goes back to DRAM
+    # during the next q tile's first pair.
+    compute_pair = pair_cyc + spill_cyc_pair
+    tail = final_cyc + out_cyc + t.qtile_gap_cycles + init_cyc
+    stall_unit = 0.0          # stalls of one unit, except its last q tile's hand-over
+    last_handover = 0.0       # hand-over from a unit's last q tile to the next unit
+    computed = [i for i in range(nq) if n_pairs[i]]
+    for k, i in enumerate(computed):
+        n = int(n_pairs[i])
+        per_pair = float(kv_dma_tile[i]) / n
+        prev_o = float(o_dma[computed[k - 1]]) if k else float(o_dma[computed[-1]])
+        stall_unit += max(0.0, (per_pair + prev_o) / dma_bw - compute_pair)       # first pair
+        stall_unit += (n - 2) * max(0.0, per_pair / dma_bw - compute_pair) if n > 1 else 0.0
+        j = computed[(k + 1) % len(computed)]
+        nxt_kv = float(kv_dma_tile[j]) / int(n_pairs[j])
+        handover = max(0.0, (q_dma[j] + nxt_kv) / dma_bw - compute_pair - tail,
+                       q_dma[j] / dma_bw - (compute_pair - s_cyc) - tail)
+        if k == len(computed) - 1:
+            last_handover = handover
+        else:
+            stall_unit += handover
+    if computed:
+        f = computed[0]
+        first_bytes = int(q_dma[f]) + int(kv_dma_tile[f] // n_pairs[f]) // 2   # Q and the first K tile
+        start_stall = max(0, config.dram_latency_cycles + -(-first_bytes // dma_bw) - init_cyc)
+        # the first unit's first pair has no O to write back
+        first_o = max(0.0, (float(kv_dma_tile[f]) / n_pairs[f] + float(o_dma[computed[-1]])) / dma_bw
+                      - compute_pair) - max(0.0, float(kv_dma_tile[f]) / n_pairs[f] / dma_bw - compute_pair)
+    else:
+        start_stall, first_o = 0, 0.0
+    dma_stall = int(math.ceil(units * stall_unit + (units - 1) * last_handover - first_o)) + start_stall
+    drain_cycles = -(-int(o_dma[-1]) // dma_bw)  # the last O write-back, after the core is done
+
+    # --- counters ----------------------------------------------------------------
+    mac_busy = pairs * (s_cyc + pv_cyc)
+    mac_ops = mac_busy * R * C                    # every PE issues a MAC slot per MAC cycle
+    # one PEXP cycle per S element of a PE and one MALPHA cycle per row, on
+    # every PE: each PE of a row evaluates the row's alpha itself
+    exp2_ops = pairs * (wr * wc + wr) * R * C
+    recip_ops = q_tiles * br
+    softmax_cycles = pairs * sm_cyc
+    spill_cycles = pairs * spill_cyc_pair
+    total = (mac_busy + pairs * sm_exposed + q_tiles * qtile_cyc + dma_stall + spill_cycles
+             + drain_cycles)
+
+    # Register-file accesses (4 bytes each), from the core's control words:
+    # a MAC slot reads and writes its accumulator; P·V reads the P operand
+    # once per PV cycle in each PE row; the softmax program per PE:
+    # SCALE, PEXP (r+w per S element), MALPHA (r m, w alpha), MSET (w m),
+    # RESC (r alpha, r+w O_acc), LUPD (r alpha, r+w l); per q tile: init
+    # (w m, l, O_acc), final (r l; r O, r l, w O per O column) and read-out
+    # (r O).  ASSUMPTION: operand buffers (Q, K, V) are not register files.
+    RC = R * C
+    reg_mac = 2 * REG_BYTES * mac_ops
+    reg_p_operand = pairs * pv_cyc * R * REG_BYTES
+    reg_softmax = pairs * (4 * wr * wc + 6 * wr + 3 * wr * od) * RC * REG_BYTES
+    reg_epilogue = q_tiles * ((2 * wr + wr * od) + (wr + 3 * wr * od) + wr * od) * RC * REG_BYTES
+    reg_spill = 0
+    if design == "baseline":
+        # S drained from and reloaded into the registers, P likewise.
+        reg_spill = pairs * 4 * br * bc * REG_BYTES
+    reg_bytes = reg_mac + reg_p_operand + reg_softmax + reg_epilogue + reg_spill
+
+    # SRAM: DMA writes in (Q, K, V), the array reads Q and K/V, the array
+    # writes O and the DMA reads it out.
+    sram_kv_read = units * int(keys_fetched.sum()) * kv_row
+    sram_q = units * int(q_dma.sum()) * 2
+    sram_o = units * int(o_dma.sum()) * 2
+    sram_kv_in = units * int(kv_dma_tile.sum())
+    spill_total = pairs * (spill_w + spill_r) if design == "baseline" else 0
+    sram_bytes = sram_kv_read + sram_q + sram_o + sram_kv_in
+    dram_bytes = units * dram_unit
+    offchip = 0
+    if design == "baseline":
+        if level == "sram":
+            sram_bytes += spill_total
+        elif level == "stacked_dram":
+            dram_bytes += spill_total
+        else:
+            offchip = spill_total
+    tsv_bytes = dram_bytes
+
+    # non-MAC arithmetic for the energy model
+    fp32_mul = pairs * (br * bc + br + br * d) + q_tiles * br * d
+    fp32_add = pairs * (3 * br * bc + 2 * br)
+    operand_bytes = pairs * FP16 * (2 * bc * d * R + br * d * C + br * bc * C)
+
+    counters = Counters(total_cycles=int(total), mac_busy_cycles=int(mac_busy),
+                        softmax_cycles=int(softmax_cycles), dma_stall_cycles=int(dma_stall),
+                        reg_bytes=int(reg_bytes), sram_bytes=int(sram_bytes),
+                        tsv_bytes=int(tsv_bytes), dram_bytes=int(dram_bytes),
+                        mac_ops=int(mac_ops), exp2_ops=int(exp2_ops), recip_ops=int(recip_ops),
+                        spill_cycles=int(spill_cycles), offchip_bytes=int(offchip))
+    detail = dict(reg_mac=reg_mac, reg_p_operand=reg_p_operand,
+                  reg_softmax=reg_softmax, reg_epilogue=reg_epilogue, reg_spill=reg_spill,
+                  sram_kv_read=sram_kv_read, sram_kv_dma_in=sram_kv_in, sram_q=sram_q, sram_o=sram_o,
+                  spill_bytes=spill_total, dram_q=units * int(q_dma.sum()),
+                  dram_kv=units * int(kv_dma_tile.sum()), dram_o=units * int(o_dma.sum()),
+                  softmax_phase_cycles=sm_cyc, pair_cycles=pair_cyc, drain_cycles=drain_cycles,
+                  qtile_cycles=qtile_cyc, spill_cycles_per_pair=spill_cyc_pair,
+                  kv_reused=bool(reuse), stacked_decode=bool(stacked))
+    return ModelResult(counters=counters, ops=OpDetail(fp32_mul=int(fp32_mul), fp32_add=int(fp32_add),
+                                                      operand_bytes=int(operand_bytes)),
+                       job=job, design=design, spill_level=level, q_tiles=q_tiles, kv_tiles=nkv,
+                       tile_pairs=pairs, useful_flops=useful_flops(job), bytes_detail=detail,
+                       config=config)
+
+
+def compare(job: Job, config: NPUConfig = DEFAULT, spill_level: str = "sram", **kw):
+    """(register-level result, baseline result) for the same job and options."""
+    return (model(job, config, "register", **kw),
+            model(job, config, "baseline", spill_level=spill_level, **kw))
+
+
+def roofs(config: NPUConfig = DEFAULT) -> dict:
+    """Roofline ceilings of a configuration.
+
+    Returns a dict: ``compute_flops`` (FLOP/s, 2 per MAC at R·C MAC/cycle),
+    ``sram_bw``, ``tsv_bw``, ``dram_bw`` (bytes/s), and the same per cycle.
+    """
+    f = config.clock_hz
+    sram = config.sram_banks * config.sram_bank_bytes
+    tsv = config.dram_channels * config.tsv_data_lanes // 8
+    dram = config.dram_bytes_per_cycle
+    return dict(compute_flops=config.peak_flops, macs_per_cycle=config.macs_per_cycle,
+                sram_bw=sram * f, tsv_bw=tsv * f, dram_bw=dram * f,
+                sram_bytes_per_cycle=sram, tsv_bytes_per_cycle=tsv, dram_bytes_per_cycle=dram)
+
+
+def kv_tile_intensity(config: NPUConfig = DEFAULT, head_dim: int = 128) -> dict:
+    """Arithmetic intensity of one (q tile, kv tile) pair.
+
+    FLOP = 2 · 2·Br·Bc·d (Q·Kᵀ and P·V); operands fetched per pair = K and V
+    tiles, 2·Bc·d FP16 elements.  Returns FLOP per element and per byte of
+    SRAM traffic (and per DRAM byte when K/V come from DRAM once per pair).
+    """
+    flop = 4 * config.br * config.bc * head_dim
+    elems = 2 * config.bc * head_dim
+    return dict(flop=flop, elements=elems, flop_per_element=flop / elems,
+                flop_per_byte=flop / (elems * FP16))
+
+
+# ---------------------------------------------------------------------------
+# RTL counters: the hook the validation uses
+# ---------------------------------------------------------------------------
+
+class RTLUnavailable(RuntimeError):
+    """The RTL NPU (``flashnpu.hdl.npu``) or its simulator backend is not there yet."""
+
+
+#: Names the RTL backend's statistics may use for each counter, first match wins.
+RTL_STAT_ALIASES = {
+    "total_cycles": ("total_cycles", "cycles"),
+    "mac_busy_cycles": ("mac_busy_cycles", "mac_busy"),
+    "softmax_cycles": ("softmax_cycles", "softmax_reduction_cycles", "reduction_cycles"),
+    "dma_stall_cycles": ("dma_stall_cycles", "dma_stall"),
+    "reg_bytes": ("reg_bytes", "register_bytes", "bytes_register", "bytes_reg", "bytes_rf"),
+    "sram_bytes": ("sram_bytes", "bytes_sram"),
+    "tsv_bytes": ("tsv_bytes", "bytes_tsv"),
+    "dram_bytes": ("dram_bytes", "bytes_dram"),
+    "mac_ops": ("mac_ops", "macs", "mac_count"),
+    "exp2_ops": ("exp2_ops", "exp2", "exp2_count"),
+    "recip_ops": ("recip_ops", "recip", "recip_count"),
+}
+
+
+def counters_from_stats(stats: dict) -> Counters:
+    """Map the RTL backend's statistics dict onto ``Counters``.
+
+    Looks in ``stats["counters"]`` when present, else in ``stats`` itself.
+
+    Raises
+    ------
+    KeyError
+        naming every counter the statistics lack and the keys they have.
+    """
+    src = stats.get("counters", stats) if isinstance(stats, dict) else {}
+    vals, missing = {}, []
+    for name, aliases in RTL_STAT_ALIASES.items():
+        key = next((a for a in aliases if a in src), None)
+        if key is None:
+            missing.append(name)
+        else:
+            vals[name] = int(src[key])
+    if missing:
+        raise KeyError(f"RTL statistics lack counters {missing}; they have {sorted(src)}")
+    return Counters(**vals)
+
+
+def rtl_counters(job: Job, config: NPUConfig = DEFAULT, sim: str = "verilator", seed: int = 0) -> Counters:
+    """Run ``job`` on the RTL NPU (random seeded data) and return its counters.
+
+    Raises
+    ------
+    RTLUnavailable
+        when ``flashnpu.hdl.npu`` or ``flashnpu.sim.rtl_backend`` cannot be
+        imported (the RTL NPU is not built yet).
+    KeyError
+        when the RTL runs but does not report every counter.
+    """
+    import argparse
+    import importlib
+    for mod in ("flashnpu.hdl.npu", "flashnpu.sim.rtl_backend"):
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            raise RTLUnavailable(f"{mod} is not importable yet ({e})") from None
+    from flashnpu.sim.case import random_case
+    backend = importlib.import_module("flashnpu.sim.rtl_backend")
+    case = random_case(job.heads, job.kv_heads, job.seq_q, job.seq_kv, job.head_dim, job.causal,
+                       seed, config)
+    args = argparse.Namespace(sim=sim, waves=None, wave_window=None, wave_depth=None, json=False,
+                              seed=seed, rows=config.array_rows, cols=config.array_cols)
+    _, stats = backend.run(case, config, args)
+    return counters_from_stats(stats)
+
+
+def rtl_core_counters(config: NPUConfig, head_dim: int, n_kv: int, seed: int = 0) -> dict:
+    """Run one q tile on the RTL compute core (``flashnpu.hdl.core.Core``) in
+    Amaranth's simulator and return its counters.
+
+    The testbench fills the Q buffer and both K/V halves before the command
+    and refills a half as soon as the core releases it (one row per cycle),
+    with O always accepted, so the core never waits for data once started.
+    Slow (tens of cycles per second of host time): small configurations only.
+
+    Returns
+    -------
+    dict
+        ``cnt_total``, ``cnt_mac``, ``cnt_softmax``, ``cnt_stall``, ``ops_mac``,
+        ``ops_exp2``, ``ops_recip`` as the core reports them.
+
+    Raises
+    ------
+    RTLUnavailable
+        when ``flashnpu.hdl.core`` cannot be imported.
+    """
+    try:
+        from amaranth.sim import Simulator
+        from flashnpu.hdl.core import BufSel, Core
+    except ImportError as e:
+        raise RTLUnavailable(f"flashnpu.hdl.core is not importable ({e})") from None
+    dut = Core(config)
+    names = ("cnt_total", "cnt_mac", "cnt_softmax", "cnt_stall", "ops_mac", "ops_exp2", "ops_recip")
+    res = {}
+    rng = np.random.default_rng(seed)
+    bc, br = config.bc, config.br
+
+    async def bench(ctx):
+        async def write(sel, nrows):
+            for r in range(nrows):
+                v = rng.standard_normal(config.max_head_dim).astype(np.float16).view(np.uint16)
+                ctx.set(dut.wr.valid, 1)
+                ctx.set(dut.wr.payload.sel, sel)
+                ctx.set(dut.wr.payload.row, r)
+                ctx.set(dut.wr.payload.last, int(r == nrows - 1))
+                ctx.set(dut.wr.payload.data, [int(x) for x in v])
+                await ctx.tick()
+            ctx.set(dut.wr.valid, 0)
+
+        halves = ((BufSel.K0, BufSel.V0), (BufSel.K1, BufSel.V1))
+        await write(BufSel.Q, br)
+        loaded = 0
+        for j in range(min(2, n_kv)):
+            await write(halves[j][0], bc)
+            await write(halves[j][1], bc)
+            loaded += 1
+        ctx.set(dut.o.ready, 1)
+        p = dut.cmd.payload
+        ctx.set(p.head_dim, head_dim)
+        ctx.set(p.n_kv, n_kv)
+        ctx.set(p.c, 0x3F800000)                      # binary32 1.0
+        ctx.set(p.seq_q, br)
+        ctx.set(p.seq_kv, n_kv * bc)
+        ctx.set(p.kv_valid_len, n_kv * bc)
+        ctx.set(dut.cmd.valid, 1)
+        await ctx.tick()
+        ctx.set(dut.cmd.valid, 0)
+        for _ in range(1_000_000):
+            if ctx.get(dut.done):
+                break
+            full = ctx.get(dut.full)
+            ks, vs = halves[loaded % 2]
+            if loaded < n_kv and not (full >> ks) & 1 and not (full >> vs) & 1:
+                await write(ks, bc)
+                await write(vs, bc)
+                loaded += 1
+                continue
+            await ctx.tick()
+        else:
+            raise RuntimeError("the RTL core never signalled done")
+        for n in names:
+            res[n] = int(ctx.get(getattr(dut, n)))
+
+    sim = Simulator(dut)
+    sim.add_clock(1e-9)
+    sim.add_testbench(bench)
+    sim.run()
+    return res
+
+
+def calibrate_timing(job: Job, measured: Counters, config: NPUConfig = DEFAULT,
+                     timing: Timing | None = None, **model_kw) -> Timing:
+    """Timing fitted to one job's RTL counters.
+
+    * softmax phase: the RTL's softmax counter is pairs · softmax_phase, so
+      softmax_phase = measured.softmax_cycles / pairs (must divide exactly);
+    * per-q-tile phases: what the total leaves after the MAC, softmax and
+      stall cycles, the read-out and the last O write-back is q_tiles ·
+      (init + final); init is kept, final takes the rest (rounded).
+
+    Raises
+    ------
+    ValueError
+        when the job computes no pair, or the softmax counter is not a whole
+        multiple of the pairs (the RTL's counter then means something else
+        than the model assumes: say so rather than fit it).
+    """
+    t = timing if timing is not None else Timing()
+    r = model(job, config, "register", timing=t, **model_kw)
+    if r.tile_pairs == 0:
+        raise ValueError(f"{job} computes no tile pair: nothing to calibrate on")
+    if measured.softmax_cycles % r.tile_pairs:
+        raise ValueError(f"RTL softmax_cycles={measured.softmax_cycles} is not a multiple of "
+                         f"pairs={r.tile_pairs}")
+    sm = measured.softmax_cycles // r.tile_pairs
+    c = r.counters
+    other = c.total_cycles - c.mac_busy_cycles - c.softmax_cycles - c.dma_stall_cycles
+    per_q_model = t.init_cycles(config, job.head_dim) + t.final_cycles(config, job.head_dim)
+    rest = other - r.q_tiles * per_q_model          # read-out, gaps and the last write-back
+    m_other = (measured.total_cycles - measured.mac_busy_cycles - measured.softmax_cycles
+               - measured.dma_stall_cycles - rest)
+    per_q = round(m_other / r.q_tiles)
+    init = t.init_cycles(config, job.head_dim)
+    return t.replace(softmax_override=sm, init_override=init, final_override=max(0, per_q - init))
