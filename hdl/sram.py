@@ -1,0 +1,235 @@
+"""Stacked SRAM: word-interleaved banks, N request ports, bank-conflict stalls.
+
+The SRAM die sits above the logic die; each bank is a single-ported macro
+(one read *or* one write of one bus word per cycle).  Consecutive words go to
+consecutive banks (``bank = word_addr % sram_banks``, ``row = word_addr //
+sram_banks``), so a unit-stride stream from one port never conflicts, and P
+ports streaming at different addresses collide only when they hit the same
+bank in the same cycle.  A collision is resolved by a round-robin arbiter per
+bank; the loser's ``req.ready`` stays low (a stall) and the cycle is counted
+in ``conflict_cycles``.  The trade-off: single-ported banks and per-bank
+arbitration are what real stacked SRAM offers; multi-ported storage would hide
+conflicts the hardware would have.
+
+Dataflow (P ports + the backdoor, B banks)::
+
+    req[0] ─┐                   ┌─ bank 0: Memory(W bytes x rows) ─┐
+    req[1] ─┼─ bank select ─ RR arbiter per bank ─ ...            ─┼─ read mux ─ out FIFO[p] ─ rdata[p]
+    bd_req ─┘  (word % B)      (bd_req lowest)  └─ bank B-1        ─┘  (1-cycle read)
+
+Reads return in request order per port, one cycle after acceptance at the
+earliest; each port has a small output FIFO and accepts a read only when the
+FIFO has room for it (so back-pressure on ``rdata`` never loses data).
+
+The backdoor (``bd_req``/``bd_rdata``) is an ordinary port with the lowest
+priority: it is granted a bank only when no other port requests that bank.
+Testbenches and the host driver use it to load and inspect storage without
+touching the protocol of the functional ports.
+
+Verilog size: Yosys writes a zero initialiser for every memory word (~0.7 MB
+per 256 KiB bank); generate through :func:`flashnpu.hdl.mem_common.verilog_text`,
+which strips it (the storage then powers up undefined, like a real macro).
+Simulations use a smaller ``sram_bytes`` (e.g. 64 KiB) for fast builds.
+"""
+
+from __future__ import annotations
+
+from amaranth import Cat, Const, Module, Mux, Signal
+from amaranth.lib import fifo, memory, stream, wiring
+from amaranth.lib.wiring import In, Out
+from amaranth.utils import exact_log2
+
+from .mem_common import addr_bits_for, round_robin, sram_req_layout, word_bytes
+
+__all__ = ["StackedSRAM", "SRAMPortSignature"]
+
+_OUT_DEPTH = 4
+
+
+class SRAMPortSignature(wiring.Signature):
+    """One SRAM port, written from the initiator's side (the SRAM uses ``In(...)``).
+
+    Members
+    -------
+    req : Out(stream of ``sram_req_layout``)
+    rdata : In(stream of 8*W bits), one beat per accepted read, in order.
+    """
+
+    def __init__(self, addr_bits: int, wbytes: int):
+        self.addr_bits = addr_bits
+        self.wbytes = wbytes
+        super().__init__({
+            "req": Out(stream.Signature(sram_req_layout(addr_bits, wbytes))),
+            "rdata": In(stream.Signature(8 * wbytes)),
+        })
+
+
+class StackedSRAM(wiring.Component):
+    """Banked stacked SRAM with ``n_ports`` request ports and a backdoor.
+
+    Parameters
+    ----------
+    config : NPUConfig
+        Uses ``sram_bytes`` (capacity, bytes), ``sram_banks`` (power of 2),
+        ``sram_bank_bytes`` (bus word W, bytes).
+    n_ports : int
+        Functional request ports (>= 1).
+
+    Ports
+    -----
+    ports[p] : In(SRAMPortSignature)
+        ``req`` stream (word address, write, wmask, wdata); ``rdata`` stream.
+        A write completes in the cycle it is accepted; a read's data appears on
+        ``rdata`` one cycle after acceptance at the earliest.
+    bd : In(SRAMPortSignature)
+        Backdoor port, lowest priority.
+    rd_bytes, wr_bytes : Out(48)
+        Bytes read / written (W per read, popcount(wmask) is *not* used: a
+        write moves one bank word, W bytes) over all ports, backdoor excluded.
+    conflict_cycles : Out(32)
+        Sum over functional ports of cycles with a valid request that was not
+        granted because another port held its bank (or its output FIFO was full).
+    err_addr : Out(1)
+        Sticky: a request addressed a row beyond ``sram_bytes``.
+
+    Raises
+    ------
+    ValueError
+        If ``n_ports`` < 1, or the configuration's word widths disagree.
+    """
+
+    def __init__(self, config, n_ports: int = 2):
+        if not isinstance(n_ports, int) or n_ports < 1:
+            raise ValueError(f"n_ports must be a positive int, not {n_ports!r}")
+        self.config = config
+        self.n_ports = n_ports
+        self.wbytes = word_bytes(config)
+        self.words = config.sram_bytes // self.wbytes
+        self.banks = config.sram_banks
+        self.bank_bits = exact_log2(self.banks)
+        self.rows = self.words // self.banks
+        self.addr_bits = addr_bits_for(config.sram_bytes, self.wbytes)
+        sig = SRAMPortSignature(self.addr_bits, self.wbytes)
+        super().__init__({
+            "ports": In(sig).array(n_ports),
+            "bd": In(sig),
+            "rd_bytes": Out(48),
+            "wr_bytes": Out(48),
+            "conflict_cycles": Out(32),
+            "err_addr": Out(1),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        W = self.wbytes
+        P = self.n_ports
+        allp = list(self.ports) + [self.bd]
+        N = len(allp)
+        BD = N - 1
+
+        # per-port output FIFOs and read credits
+        outs = []
+        pend = []      # a read accepted last cycle whose data lands this cycle
+        pend_bank = []
+        can_read = []
+        for p, port in enumerate(allp):
+            f = fifo.SyncFIFO(width=8 * W, depth=_OUT_DEPTH)
+            m.submodules[f"out{p}"] = f
+            outs.append(f)
+            pe = Signal(name=f"pend{p}")
+            pb = Signal(max(1, self.bank_bits), name=f"pend_bank{p}")
+            pend.append(pe)
+            pend_bank.append(pb)
+            cr = Signal(name=f"can_read{p}")
+            m.d.comb += cr.eq(f.level + pe < _OUT_DEPTH)
+            can_read.append(cr)
+            m.d.comb += [
+                port.rdata.valid.eq(f.r_rdy),
+                port.rdata.payload.eq(f.r_data),
+                f.r_en.eq(port.rdata.ready),
+            ]
+
+        # requests per port (a read needs a credit)
+        want = []
+        bank_of = []
+        row_of = []
+        for p, port in enumerate(allp):
+            w = Signal(name=f"want{p}")
+            m.d.comb += w.eq(port.req.valid & (port.req.payload.write | can_read[p]))
+            want.append(w)
+            b = Signal(max(1, self.bank_bits), name=f"bank{p}")
+            r = Signal(range(max(2, 1 << (self.addr_bits - self.bank_bits))), name=f"row{p}")
+            if self.bank_bits:
+                m.d.comb += b.eq(port.req.payload.addr[:self.bank_bits])
+            m.d.comb += r.eq(port.req.payload.addr[self.bank_bits:])
+            bank_of.append(b)
+            row_of.append(r)
+            with m.If(port.req.valid & (r >= self.rows)):
+                m.d.sync += self.err_addr.eq(1)
+
+        granted = [Const(0, 1) for _ in range(N)]
+        bank_rdata = []
+        for b in range(self.banks):
+            mem = memory.Memory(shape=8 * W, depth=self.rows, init=[])
+            m.submodules[f"bank{b}"] = mem
+            wp = mem.write_port(granularity=8)
+            rp = mem.read_port()
+            bank_rdata.append(rp.data)
+            reqs = []
+            for p in range(N):
+                rq = Signal(name=f"b{b}_req{p}")
+                m.d.comb += rq.eq(want[p] & (bank_of[p] == b))
+                reqs.append(rq)
+            rr = round_robin(m, reqs, low=(BD,), name=f"b{b}_rr")
+            row = Signal.like(row_of[0], name=f"b{b}_row")
+            wr = Signal(name=f"b{b}_wr")
+            wdata = Signal(8 * W, name=f"b{b}_wdata")
+            wmask = Signal(W, name=f"b{b}_wmask")
+            for p in range(N):
+                with m.If(rr.grant[p]):
+                    m.d.comb += [
+                        row.eq(row_of[p]),
+                        wr.eq(allp[p].req.payload.write),
+                        wdata.eq(allp[p].req.payload.wdata),
+                        wmask.eq(allp[p].req.payload.wmask),
+                    ]
+                granted[p] = granted[p] | rr.grant[p]
+            m.d.comb += [
+                wp.addr.eq(row),
+                rp.addr.eq(row),
+                wp.data.eq(wdata),
+                wp.en.eq(Mux(rr.any & wr, wmask, 0)),
+            ]
+
+        rd_words = Signal(range(N + 1))
+        wr_words = Signal(range(N + 1))
+        rd_terms = []
+        wr_terms = []
+        stalls = []
+        for p, port in enumerate(allp):
+            g = Signal(name=f"granted{p}")
+            m.d.comb += [g.eq(granted[p]), port.req.ready.eq(g)]
+            is_rd = g & ~port.req.payload.write
+            m.d.sync += [pend[p].eq(is_rd), pend_bank[p].eq(bank_of[p])]
+            f = outs[p]
+            m.d.comb += [
+                f.w_en.eq(pend[p]),
+                f.w_data.eq(Cat(*bank_rdata).word_select(pend_bank[p], 8 * W) if self.banks > 1
+                            else bank_rdata[0]),
+            ]
+            if p != BD:
+                rd_terms.append(is_rd)
+                wr_terms.append(g & port.req.payload.write)
+                st = Signal(name=f"stall{p}")
+                m.d.comb += st.eq(port.req.valid & ~g)
+                stalls.append(st)
+        m.d.comb += [
+            rd_words.eq(sum(rd_terms)),
+            wr_words.eq(sum(wr_terms)),
+        ]
+        m.d.sync += [
+            self.rd_bytes.eq(self.rd_bytes + rd_words * W),
+            self.wr_bytes.eq(self.wr_bytes + wr_words * W),
+            self.conflict_cycles.eq(self.conflict_cycles + sum(stalls)),
+        ]
+        return m

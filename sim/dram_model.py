@@ -1,0 +1,211 @@
+"""Storage model of the stacked DRAM, behind the RTL timing model's backend bus.
+
+The RTL (``flashnpu.hdl.dram.StackedDRAM``) keeps channels, latency and
+bandwidth; this module keeps the bytes.  ``DRAMModel`` is a sparse store of
+4 KiB pages (untouched pages read as zero), so a 64 MiB address space costs
+memory only where it is written.  It is the DRAM's backdoor too: tests and
+the host driver call ``read``/``write`` directly, as cocotbext-axi's RAM
+models separate storage from protocol.
+
+Two adapters serve the backend bus (``DRAMBackendSignature``): one for
+amaranth.sim testbenches (:meth:`DRAMModel.amaranth_server`) and one for
+cocotb (:meth:`DRAMModel.cocotb_server`).  Both apply writes and answer reads
+one cycle after the request is visible, in order; optionally with random
+extra delay (``max_extra_delay``) to exercise the RTL's buffering — the total
+must stay below the modelled latency or the RTL flags ``late``.
+
+``copy2d`` is the reference semantics of one DMA descriptor on two byte
+stores, used by scoreboards.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import numpy as np
+
+__all__ = ["DRAMModel", "ByteStore", "copy2d", "word_to_bytes", "bytes_to_word"]
+
+PAGE = 4096
+
+
+def word_to_bytes(value: int, wbytes: int) -> bytes:
+    """Little-endian bytes of a bus word (byte 0 = bits 7:0)."""
+    return int(value).to_bytes(wbytes, "little")
+
+
+def bytes_to_word(b) -> int:
+    """Bus word from little-endian bytes."""
+    return int.from_bytes(bytes(b), "little")
+
+
+class ByteStore:
+    """Sparse byte-addressed store of 4 KiB pages.
+
+    Parameters
+    ----------
+    size : int
+        Address space in bytes.
+
+    Raises
+    ------
+    IndexError
+        On an access outside ``[0, size)``.
+    """
+
+    def __init__(self, size: int):
+        if not isinstance(size, int) or size <= 0:
+            raise ValueError(f"size must be a positive int, not {size!r}")
+        self.size = size
+        self.pages: dict[int, np.ndarray] = {}
+
+    def _check(self, addr: int, n: int):
+        if addr < 0 or n < 0 or addr + n > self.size:
+            raise IndexError(f"access [{addr:#x}, {addr + n:#x}) outside [0, {self.size:#x})")
+
+    def read(self, addr: int, n: int) -> bytes:
+        """``n`` bytes from ``addr`` (zeros where never written)."""
+        self._check(addr, n)
+        out = bytearray(n)
+        pos = 0
+        while pos < n:
+            a = addr + pos
+            pg, off = divmod(a, PAGE)
+            k = min(PAGE - off, n - pos)
+            page = self.pages.get(pg)
+            if page is not None:
+                out[pos:pos + k] = page[off:off + k].tobytes()
+            pos += k
+        return bytes(out)
+
+    def write(self, addr: int, data, mask=None) -> None:
+        """Write bytes at ``addr``; ``mask`` (sequence of bools) selects bytes."""
+        data = bytes(data)
+        n = len(data)
+        self._check(addr, n)
+        pos = 0
+        while pos < n:
+            a = addr + pos
+            pg, off = divmod(a, PAGE)
+            k = min(PAGE - off, n - pos)
+            page = self.pages.get(pg)
+            if page is None:
+                page = self.pages[pg] = np.zeros(PAGE, np.uint8)
+            chunk = np.frombuffer(data[pos:pos + k], np.uint8)
+            if mask is None:
+                page[off:off + k] = chunk
+            else:
+                msk = np.asarray(mask[pos:pos + k], bool)
+                page[off:off + k][msk] = chunk[msk]
+            pos += k
+
+
+class DRAMModel(ByteStore):
+    """Sparse DRAM contents plus backend-bus servers.
+
+    Parameters
+    ----------
+    config : NPUConfig
+        Uses ``dram_bytes`` and the bus word (``dram_channel_bytes``).
+    seed : int or None
+        Seed for the random extra response delay.
+    max_extra_delay : int
+        Extra cycles (uniform 0..max) added to read answers; keep
+        ``2 + max_extra_delay < dram_latency_cycles``.
+    """
+
+    def __init__(self, config, seed=None, max_extra_delay: int = 0):
+        super().__init__(config.dram_bytes)
+        self.wbytes = config.dram_channel_bytes
+        self.rng = random.Random(seed)
+        self.max_extra_delay = max_extra_delay
+        self.reads = 0
+        self.writes = 0
+
+    # --------------------------------------------------------- word access
+    def read_word(self, word_addr: int) -> int:
+        return bytes_to_word(self.read(word_addr * self.wbytes, self.wbytes))
+
+    def write_word(self, word_addr: int, value: int, wmask: int) -> None:
+        mask = [(wmask >> i) & 1 for i in range(self.wbytes)]
+        self.write(word_addr * self.wbytes, word_to_bytes(value, self.wbytes), mask)
+
+    def _access(self, write: int, addr: int, wmask: int, wdata: int):
+        if write:
+            self.writes += 1
+            self.write_word(addr, wdata, wmask)
+            return None
+        self.reads += 1
+        return self.read_word(addr)
+
+    # --------------------------------------------------------- amaranth.sim
+    def amaranth_server(self, bk):
+        """An async testbench serving backend bus ``bk`` (a DRAMBackendSignature interface).
+
+        Usage: ``sim.add_process(model.amaranth_server(dut.bk[0]))``.
+        """
+        async def server(ctx):
+            queue = deque()      # (ready_cycle, data)
+            cycle = 0
+            async for clk_edge, rst, v, w, a, mk, wd in ctx.tick().sample(
+                    bk.req_valid, bk.req_write, bk.req_addr, bk.req_wmask, bk.req_wdata):
+                if rst:
+                    queue.clear()
+                    continue
+                cycle += 1
+                if v:
+                    r = self._access(w, a, mk, wd)
+                    if r is not None:
+                        extra = self.rng.randint(0, self.max_extra_delay) if self.max_extra_delay else 0
+                        due = max(cycle + extra, queue[-1][0] + 1 if queue else 0)
+                        queue.append((due, r))
+                if queue and queue[0][0] <= cycle:
+                    _, r = queue.popleft()
+                    ctx.set(bk.resp_valid, 1)
+                    ctx.set(bk.resp_data, r)
+                else:
+                    ctx.set(bk.resp_valid, 0)
+        return server
+
+    # --------------------------------------------------------- cocotb
+    async def cocotb_server(self, dut, clk, prefix: str = "bk__"):
+        """A cocotb coroutine serving the backend bus whose ports start with ``prefix``.
+
+        Samples the (registered) request in the falling-edge half of each
+        cycle and drives the answer right after the next rising edge.  Start
+        it with ``cocotb.start_soon(model.cocotb_server(dut, dut.clk))``.
+        """
+        from cocotb.triggers import FallingEdge, RisingEdge
+
+        g = lambda n: getattr(dut, prefix + n)
+        req_valid, req_write, req_addr = g("req_valid"), g("req_write"), g("req_addr")
+        req_wmask, req_wdata = g("req_wmask"), g("req_wdata")
+        resp_valid, resp_data = g("resp_valid"), g("resp_data")
+        resp_valid.value = 0
+        queue = deque()
+        cycle = 0
+        while True:
+            await FallingEdge(clk)
+            cycle += 1
+            if int(req_valid.value):
+                r = self._access(int(req_write.value), int(req_addr.value), int(req_wmask.value),
+                                 int(req_wdata.value))
+                if r is not None:
+                    extra = self.rng.randint(0, self.max_extra_delay) if self.max_extra_delay else 0
+                    due = max(cycle + 1 + extra, queue[-1][0] + 1 if queue else 0)
+                    queue.append((due, r))
+            await RisingEdge(clk)
+            if queue and queue[0][0] <= cycle + 1:
+                _, r = queue.popleft()
+                resp_valid.value = 1
+                resp_data.value = r
+            else:
+                resp_valid.value = 0
+
+
+def copy2d(src: ByteStore, dst: ByteStore, src_addr: int, dst_addr: int, rows: int,
+           bytes_per_row: int, src_stride: int, dst_stride: int) -> None:
+    """Reference semantics of one 2-D DMA descriptor (byte exact)."""
+    for r in range(rows):
+        dst.write(dst_addr + r * dst_stride, src.read(src_addr + r * src_stride, bytes_per_row))
