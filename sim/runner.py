@@ -17,6 +17,14 @@ lives in one place:
   reused across tests and sessions until something that shapes it changes.
   A file lock keeps parallel pytest workers from building the same design
   twice at once.
+* Waveforms: ``waves=True`` is cocotb's own full dump (every signal, whole
+  run).  ``waves=WaveOptions(path, start, end, depth, scope)`` (see
+  ``sim/waves.py``) builds a model that dumps only a time window of chosen
+  scopes: Verilator gets ``--trace`` and cocotb's main loop patched to honour
+  the window and scope at run time; Icarus gets a second root module
+  ``flashnpu_waves`` with ``$dumpvars``/``$dumpoff``.  ``run_cocotb(...,
+  waves=...)`` picks another window (and, under Verilator, scope) for the
+  same build, or ``waves=False`` to run it without dumping.
 """
 
 from __future__ import annotations
@@ -28,20 +36,63 @@ import json
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 __all__ = ["ROOT", "BuildHandle", "build", "run_cocotb", "verilator_bin_dir", "have_simulator",
            "setup_simulator_env"]
 
+if TYPE_CHECKING:  # sim/waves.py imports nothing from here
+    from flashnpu.sim.waves import WaveOptions
+
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_ROOT = Path(os.environ.get("FLASHNPU_BUILD", ROOT / "build"))
 
-# Verilator warnings that Amaranth's generated Verilog triggers by design
-# (documented once here; the lint flow of ``flashnpu verilog`` uses the same list).
-VERILATOR_WAIVERS = ["-Wno-fatal", "-Wno-WIDTHTRUNC", "-Wno-WIDTHEXPAND", "-Wno-UNOPTFLAT",
-                     "-Wno-CASEINCOMPLETE", "-Wno-MULTIDRIVEN"]
+# Verilator warnings that Amaranth's generated Verilog triggers by design --
+# the one documented list, used by every simulator build here and by
+# ``flashnpu verilog --lint`` (``verilator --lint-only -Wall`` + these flags;
+# any warning left over fails the lint and ``tb/test_verilog.py``).  Each kind
+# comes from how Amaranth (through Yosys' ``write_verilog``) spells a netlist,
+# not from the design: Amaranth's own semantics fix every width, every
+# driver and every reset value before Verilog is written.
+VERILATOR_WAIVERS = [
+    # Keep going past warnings (sim builds); the lint flow still counts each one.
+    "-Wno-fatal",
+    # WIDTHTRUNC / WIDTHEXPAND: write_verilog relies on Verilog's implicit
+    # truncation and zero/sign extension in assignments and operators; the
+    # widths were resolved by Amaranth's own (explicit) arithmetic rules.
+    "-Wno-WIDTHTRUNC", "-Wno-WIDTHEXPAND",
+    # UNOPTFLAT: a combinational signal whose bits feed each other (e.g. carry
+    # or leading-zero chains through one vector); a Verilator scheduling
+    # (speed) note, never a real loop -- Amaranth rejects real loops.
+    "-Wno-UNOPTFLAT",
+    # CASEINCOMPLETE: `case` without `default` after a default assignment at
+    # the top of the same process -- every bit is assigned on every path.
+    "-Wno-CASEINCOMPLETE",
+    # MULTIDRIVEN: a memory (lib.memory.Memory) written from one clocked
+    # process per write port, plus its initialiser; a single driver in the
+    # netlist.
+    "-Wno-MULTIDRIVEN",
+    # UNUSEDSIGNAL (-Wall only): named intermediate signals kept as wires for
+    # readability and debugging, and the bits a narrower result drops (carry
+    # out, the top of a product); synthesis removes them.
+    "-Wno-UNUSEDSIGNAL",
+    # PROCASSINIT (-Wall only): registers are declared with their reset value
+    # as initialiser (`reg [3:0] x = 4'h0;`) and assigned in a process; the
+    # initialiser is the power-up value (FPGA) and is ignored by ASIC flows,
+    # where the synchronous reset sets the same value.
+    "-Wno-PROCASSINIT",
+    # DECLFILENAME (-Wall only): module names (`top.sub`, a chosen top name)
+    # need not match the output file name.
+    "-Wno-DECLFILENAME",
+    # UNSIGNED: a comparison made constant by a configuration-derived bound
+    # (e.g. `sel >= FIRST` with FIRST = 0 for this size); Amaranth's shapes
+    # make signedness explicit (write_verilog adds $signed where needed), and
+    # synthesis folds the constant.
+    "-Wno-UNSIGNED",
+]
 
 
 def verilator_bin_dir() -> Path | None:
@@ -86,7 +137,10 @@ def _source_digest() -> str:
 _SOURCE_DIGEST: str | None = None
 
 
-def _get_runner(sim: str):
+def _get_runner(sim: str, main_cpp: Path | None = None, vvp_format: str | None = None):
+    """cocotb runner for ``sim``; ``main_cpp`` replaces cocotb's Verilator
+    main (windowed waves), ``vvp_format`` ('vcd'/'fst') lets Icarus'
+    ``$dumpvars`` write although cocotb's own waves are off."""
     from cocotb_tools import runner as cr
 
     if sim == "verilator":
@@ -94,10 +148,20 @@ def _get_runner(sim: str):
             def _build_command(self):
                 cmds = super()._build_command()
                 cmds[0] = [a for a in cmds[0] if a != "--public-flat-rw"]
+                if main_cpp is not None:
+                    cmds[0] = [str(main_cpp) if a.endswith("/verilator/verilator.cpp") else a
+                               for a in cmds[0]]
                 return cmds
         return _Verilator()
     if sim == "icarus":
-        return cr.get_runner("icarus")
+        if vvp_format is None:
+            return cr.get_runner("icarus")
+
+        class _Icarus(cr.Icarus):
+            def _test_command(self):
+                return [[f"-{vvp_format}" if a == "-none" else a for a in c]
+                        for c in super()._test_command()]
+        return _Icarus()
     raise ValueError(f"unknown simulator {sim!r}; use 'verilator' or 'icarus'")
 
 
@@ -112,7 +176,7 @@ class BuildHandle:
     build_dir : Path of the simulator build
     verilog : Path of the generated Verilog
     config_json : the NPUConfig as JSON (passed to tests as FLASHNPU_CONFIG)
-    waves : whether the model was built with tracing
+    waves : False, True (cocotb's full dump) or the WaveOptions it was built for
     meta : free-form information from the caller (JSON-able)
     """
 
@@ -121,12 +185,13 @@ class BuildHandle:
     build_dir: Path
     verilog: Path
     config_json: str
-    waves: bool = False
+    waves: "bool | WaveOptions" = False
     meta: dict = field(default_factory=dict)
 
 
 def build(top_factory: Callable[[], object], config, name: str, sim: str = "verilator",
-          waves: bool = False, key: str = "", verilog_text: Callable[[object], str] | None = None,
+          waves: "bool | WaveOptions" = False, key: str = "",
+          verilog_text: Callable[[object], str] | None = None,
           meta: dict | None = None, build_args: list[str] | None = None) -> BuildHandle:
     """Generate Verilog for ``top_factory()`` and build it once per configuration.
 
@@ -137,7 +202,11 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
     config : NPUConfig (or None for blocks that take none)
     name : Verilog top-module name and build-folder prefix
     sim : 'verilator' (default) or 'icarus'
-    waves : build with VCD tracing (Verilator: ``--trace``)
+    waves : bool or ``flashnpu.sim.waves.WaveOptions``
+        True: cocotb's own dump of everything (Verilator ``--trace``, Icarus
+        FST).  WaveOptions: a model that dumps the options' window and scope
+        (run-time plusargs, see the module docstring); the scope is checked
+        against the design's instance paths.
     key : extra text that distinguishes builds of the same config (e.g. ports)
     verilog_text : optional callable(component) -> Verilog text, for tops that
         assemble several modules; defaults to ``amaranth.back.verilog.convert``.
@@ -150,10 +219,24 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
 
     Raises
     ------
-    ValueError for an unknown simulator; RuntimeError when the simulator is
-    not installed.
+    ValueError for an unknown simulator, an unknown scope, or FST under a
+    Verilator without liblz4-dev; RuntimeError when the simulator is not
+    installed.
     """
     global _SOURCE_DIGEST
+    from flashnpu.sim.waves import WaveOptions
+    windowed = isinstance(waves, WaveOptions)
+    if windowed and waves.fmt == "fst" and sim == "verilator":
+        from flashnpu.sim.waves import fst_supported
+        if not fst_supported(sim):
+            raise ValueError(f"FST waves {str(waves.path)!r} under Verilator need the lz4 headers "
+                             "(apt-get install liblz4-dev); dump .vcd instead")
+    if windowed and sim == "verilator" and "--hierarchical" in (build_args or []):
+        # Verilator 5.048 traces only the top model: nothing inside a hier_block
+        # (measured on the core: its PE rows came out as empty scopes)
+        warnings.warn(f"{name}: --hierarchical build, so signals inside hier_block modules are "
+                      "not in the waves; build without --hierarchical (or under Icarus) to see "
+                      "them", stacklevel=2)
     if not have_simulator(sim):
         raise RuntimeError(f"simulator {sim!r} is not installed"
                            + ("; install Icarus with `apt-get install iverilog`" if sim == "icarus" else ""))
@@ -161,7 +244,8 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
     if _SOURCE_DIGEST is None:
         _SOURCE_DIGEST = _source_digest()
     cfg_json = config.to_json() if config is not None else "{}"
-    digest = hashlib.sha256("\n".join([cfg_json, key, str(waves), _SOURCE_DIGEST,
+    wkey = waves.build_key(sim) if windowed else str(bool(waves))
+    digest = hashlib.sha256("\n".join([cfg_json, key, wkey, _SOURCE_DIGEST,
                                        " ".join(build_args or [])]).encode()).hexdigest()[:12]
     bdir = BUILD_ROOT / "sim" / f"{name}-{sim}-{digest}"
     bdir.mkdir(parents=True, exist_ok=True)
@@ -180,9 +264,20 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
                     text = verilog_text(top)
                 vfile.write_text(text)
                 t1 = time.time()
-                runner = _get_runner(sim)
                 sources = [vfile]
                 args = list(build_args or [])
+                main_cpp = None
+                if windowed:
+                    from flashnpu.sim import waves as wv
+                    wv.check_scopes(waves, text, name)
+                    if sim == "verilator":
+                        main_cpp = wv.verilator_main(bdir)
+                        args += ["--trace-fst"] if waves.fmt == "fst" else []
+                    else:
+                        (bdir / "flashnpu_waves.v").write_text(wv.icarus_hook(waves, name))
+                        sources.append(bdir / "flashnpu_waves.v")
+                        args += ["-s", wv.HOOK_MODULE]
+                runner = _get_runner(sim, main_cpp=main_cpp)
                 if sim == "verilator":
                     vlt = bdir / "public.vlt"
                     vlt.write_text("`verilator_config\n"
@@ -191,8 +286,12 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
                     args = VERILATOR_WAIVERS + ["-O3", "--x-assign", "fast", "--x-initial", "fast"] + args
                 else:
                     args = ["-g2012"] + args
+                # Icarus' windowed hook replaces cocotb's dump module; Verilator
+                # needs --trace either way
+                cocotb_waves = bool(waves) and not (windowed and sim == "icarus")
                 runner.build(sources=sources, hdl_toplevel=name, build_dir=bdir / "sim",
-                             build_args=args, waves=waves, always=True, timescale=("1ns", "1ps"))
+                             build_args=args, waves=cocotb_waves, always=True,
+                             timescale=("1ns", "1ps"))
                 info = dict(name=name, sim=sim, config=json.loads(cfg_json), key=key,
                             verilog_bytes=len(text), generate_s=round(t1 - t0, 2),
                             build_s=round(time.time() - t1, 2), meta=meta or {})
@@ -201,25 +300,52 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
         finally:
             fcntl.flock(lockf, fcntl.LOCK_UN)
     info = json.loads((bdir / "build.json").read_text())
+    if windowed:
+        from flashnpu.sim.waves import check_scopes
+        check_scopes(waves, vfile.read_text(), name)       # also for a cached build
     return BuildHandle(sim=sim, toplevel=name, build_dir=bdir / "sim", verilog=vfile,
                        config_json=cfg_json, waves=waves, meta=info.get("meta", {}))
 
 
 def run_cocotb(handle: BuildHandle, test_module: str, testcase=None, extra_env: dict | None = None,
-               seed: int | None = None, test_dir: Path | None = None, log_file: Path | None = None) -> Path:
+               seed: int | None = None, test_dir: Path | None = None, log_file: Path | None = None,
+               waves: "bool | WaveOptions | None" = None) -> Path:
     """Run cocotb tests of ``test_module`` on a built model; raise on failure.
 
     The configuration reaches the tests as JSON in ``FLASHNPU_CONFIG``; the
     caller's ``extra_env`` (strings) is added.  Returns the results XML path.
+    ``waves`` (default: what the handle was built with) may give another
+    ``WaveOptions`` for a model built with one -- any window and depth; the
+    scope too under Verilator -- or False to run without dumping.
 
     Raises
     ------
     AssertionError when any cocotb test failed (the message names how many).
+    ValueError when ``waves`` asks for something the build cannot dump.
     """
     from cocotb_tools.check_results import get_results
 
+    from flashnpu.sim.waves import WaveOptions
     setup_simulator_env()
-    runner = _get_runner(handle.sim)
+    opts = handle.waves if waves is None else waves
+    plusargs = []
+    if isinstance(opts, WaveOptions):
+        built = handle.waves
+        if not isinstance(built, WaveOptions):
+            raise ValueError(f"{handle.toplevel} was not built for windowed waves; "
+                             "pass waves=WaveOptions(...) to build()")
+        if opts.build_key(handle.sim) != built.build_key(handle.sim):
+            what = "scope" if handle.sim == "icarus" else "format"
+            raise ValueError(f"waves {what} {opts.scope or opts.fmt!r} differs from the build's "
+                             f"{built.scope or built.fmt!r}; build again with these WaveOptions")
+        if handle.sim == "verilator" and opts.scope != built.scope:
+            from flashnpu.sim.waves import check_scopes
+            check_scopes(opts, Path(handle.verilog).read_text(), handle.toplevel)
+        opts.path.parent.mkdir(parents=True, exist_ok=True)
+        opts.path.unlink(missing_ok=True)
+        plusargs = opts.plusargs(handle.toplevel)
+    runner = _get_runner(handle.sim, vvp_format=opts.fmt if plusargs and handle.sim == "icarus"
+                         else None)
     runner.build_dir = handle.build_dir
     env = {"FLASHNPU_CONFIG": handle.config_json, "FLASHNPU_META": json.dumps(handle.meta)}
     env.update({k: str(v) for k, v in (extra_env or {}).items()})
@@ -229,7 +355,8 @@ def run_cocotb(handle: BuildHandle, test_module: str, testcase=None, extra_env: 
     runner.test(test_module=test_module, hdl_toplevel=handle.toplevel, hdl_toplevel_lang="verilog",
                 testcase=testcase,
                 seed=seed, extra_env=env, build_dir=handle.build_dir, test_dir=tdir,
-                results_xml=str(results), waves=handle.waves, log_file=log_file)
+                results_xml=str(results), waves=opts is True, log_file=log_file,
+                plusargs=plusargs)
     total, failed = get_results(results)
     if failed:
         raise AssertionError(f"{failed} of {total} cocotb test(s) failed in {test_module}; log in {tdir}")
