@@ -27,16 +27,12 @@ class UsageError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashnpu", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="flashnpu",
+        description="flashnpu: RTL model of a register-level, 3D-stacked NPU running FlashAttention.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            continue                      # sub-command not built yet
-        mod.register(sub)
+        importlib.import_module(module).register(sub)
     return parser
 
 
