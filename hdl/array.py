@@ -1,0 +1,287 @@
+"""The R x C PE array with its row broadcast buses, the per-row reduction
+trees, return registers and reciprocal units.
+
+Design trade-off
+----------------
+All PEs execute the same control word in the same cycle, and every operand
+the array needs in a cycle is a broadcast: Q or P along a PE row (one value
+per row), K or V down a PE column (one value per column).  So the array
+has no systolic skew: a broadcast costs wire, a systolic mesh costs R + C
+cycles of fill/drain per phase and per-PE operand registers.  With only
+2 x 2 scores per PE the phases are short (512 cycles), so the skew would
+show.  The operands are registered once, uniformly, in the feeders (the
+synchronous tile-buffer reads), and the P broadcast is registered in the
+source PE (its synchronous register-file port), so every bus is driven from
+a flop and crosses one row or column of PEs before the MAC.
+
+::
+
+               col_b16[0]   col_b16[1]   ...          (K or V, feeder flops)
+                   │            │
+     row_a16[r] ─►┌┴──┐      ┌─┴─┐
+     (Q, flop)    │PE │ ...  │PE │ ─ sd (sync RF port, flop) ─┐
+        ▲         └┬──┘      └─┬─┘                            │
+        │   P ◄─ mux by psel over the row's sd ◄──────────────┘
+        │          │ t         │ t
+        │        ┌─┴───────────┴─┐
+        │        │ RowReduce tree │ (log2 C registered levels)
+        │        └───────┬────────┘
+        │       ret regs [3 wr] ◄─ Recip (operand: T of PE(r, 0))
+        └────────── ret[ret_sel] broadcast to the row's PEs
+
+Pipeline registers between PEs and why they exist:
+
+* tree level registers (``RowReduce``): one FP adder per cycle, so
+  reductions of the wr rows of a PE can overlap;
+* the row return registers (``ret``): the tree root and the reciprocal
+  write them, all C PEs of the row read them (a row-long wire) in later
+  cycles, and they hold each row's max, sum and 1/l until used, which lets
+  the sequencer schedule the consumers freely;
+* the P broadcast is taken from the source PE's synchronous register-file
+  port (the flop is inside the PE), read one cycle ahead of its use.
+
+With ``pe_as_instance=True`` the PE rows, PEs, tree nodes and reciprocal
+units are Verilog ``Instance``s of modules generated once
+(``module_texts``): 1.3 MB of Verilog at 32 x 32 instead of one module per
+PE, and Verilator compiles each shared module once (hierarchical blocks).
+With ``False`` they are elaborated inline for ``amaranth.sim``.
+"""
+
+from __future__ import annotations
+
+from amaranth.hdl import Array, Cat, ClockSignal, Instance, Module, Mux, ResetSignal, Signal
+from amaranth.lib import data, wiring
+from amaranth.lib.wiring import In, Out
+
+from flashnpu.config import NPUConfig
+
+from .fpu import Recip
+from .pe import Pe, RegMap, _bits, ctl_layout
+from .reduce import ReduceNode, RowReduce
+
+__all__ = ["PeRow", "PeArray", "module_texts", "PE_MODULE", "NODE_MODULE", "RECIP_MODULE",
+           "ROW_MODULE"]
+
+PE_MODULE = "flashnpu_pe"
+NODE_MODULE = "flashnpu_rnode"
+RECIP_MODULE = "flashnpu_recip"
+ROW_MODULE = "flashnpu_perow"
+
+
+def _with_meta(text: str, name: str, meta: str) -> str:
+    head = f"module {name}("
+    i = text.index(head)
+    j = text.index(";\n", i) + 2
+    return text[:j] + f"  /* verilator {meta} */\n" + text[j:]
+
+
+def module_texts(config: NPUConfig) -> str:
+    """Verilog of the PE-row, PE, tree-node and reciprocal modules, each once.
+
+    The PE row, the PE and the tree node carry Verilator's ``hier_block``
+    metacomment (build with ``--hierarchical``): each is verilated and
+    compiled once as its own model, the row instantiating C PEs and C - 1
+    nodes, the core R rows.  Measured alternatives: PEs merely not inlined
+    still get per-instance combinational code (8 x 8: 14 MB of C++, a
+    6-minute build); hier blocks directly under the core put a wrapper per
+    PE and node into the top model (32 x 32: 35 MB of C++).
+    """
+    from amaranth.back import verilog
+    texts = []
+    for comp, name, meta in ((PeRow(config, pe_as_instance=True), ROW_MODULE, "hier_block"),
+                             (Pe(config), PE_MODULE, "hier_block"),
+                             (ReduceNode(), NODE_MODULE, "hier_block"),
+                             (Recip(), RECIP_MODULE, "no_inline_module")):
+        texts.append(_with_meta(verilog.convert(comp, name=name, emit_src=False), name, meta))
+    return "\n".join(texts)
+
+
+class PeRow(wiring.Component):
+    """One PE row: C PEs, the row's P broadcast, reduction tree, return
+    registers and reciprocal unit.
+
+    Parameters
+    ----------
+    config : NPUConfig
+    pe_as_instance : bool
+        PEs and tree nodes as ``Instance``s of the shared modules.
+
+    Ports
+    -----
+    ctl : In(ctl_layout)        control word (same cycle as the operands)
+    q16 : In(16)                the row's Q operand (S phase)
+    col_b16 : In(ArrayLayout(16, C))  K or V operand of each PE column
+    psel : In(range(C))         P.V: PE column whose ``sd`` drives the P broadcast
+    cst : In(32)                score constant
+    vis : In(C)                 visibility bit of each PE (SCALE ops)
+    sa : In(log2 regs)          synchronous read address (one cycle ahead)
+    sd : Out(ArrayLayout(32, C))  every PE's synchronous read data
+    ev_tree, ev_tree_tag, ev_rcp, ev_rcp_tag : Out
+        the tree / the reciprocal delivers a result with this tag this cycle
+        (it is in the return registers from the next cycle)
+    """
+
+    def __init__(self, config: NPUConfig, pe_as_instance: bool = False):
+        self.config = config
+        self.pe_as_instance = bool(pe_as_instance)
+        C = config.array_cols
+        tagw = _bits(3 * config.rows_per_pe)
+        super().__init__({
+            "ctl": In(ctl_layout(config)), "q16": In(16),
+            "col_b16": In(data.ArrayLayout(16, C)), "psel": In(range(C)), "cst": In(32),
+            "vis": In(C), "sa": In(_bits(config.pe_registers)),
+            "sd": Out(data.ArrayLayout(32, C)),
+            "ev_tree": Out(1), "ev_tree_tag": Out(tagw), "ev_rcp": Out(1), "ev_rcp_tag": Out(tagw),
+        })
+
+    @staticmethod
+    def _node_instance(a, b, is_sum, o):
+        return Instance(NODE_MODULE, i_a=a, i_b=b, i_sum=is_sum, o_o=o)
+
+    def elaborate(self, platform):
+        m = Module()
+        cfg = self.config
+        C = cfg.array_cols
+        wr = cfg.rows_per_pe
+        ctl = self.ctl
+        tagw = _bits(3 * wr)
+        if self.pe_as_instance:
+            # port bundles only: the PE itself is the shared Verilog module
+            proto = Pe(cfg)
+            proto._MustUse__silence = True
+            pes = [proto.signature.create(path=(f"pe{c}",)) for c in range(C)]
+        else:
+            pes = [Pe(cfg) for _ in range(C)]
+        # --- return registers of the row (see the module docstring)
+        ret = Array([Signal(32, name=f"ret{i}") for i in range(3 * wr)])
+        # --- reduction tree
+        tree = RowReduce(C, tagw, self._node_instance if self.pe_as_instance else None)
+        m.submodules.tree = tree
+        m.d.comb += [tree.op.eq(ctl.tree), tree.tag.eq(ctl.tag)]
+        with m.If(tree.res_valid):
+            m.d.sync += ret[tree.res_tag].eq(tree.res)
+        # --- reciprocal: operand is T of PE (r, 0)
+        rcp_tag = Signal(tagw)
+        rdone, ro = Signal(), Signal(32)
+        if self.pe_as_instance:
+            m.submodules.rcp = Instance(
+                RECIP_MODULE, i_clk=ClockSignal(), i_rst=ResetSignal(), i_start=ctl.rcp,
+                i_x=pes[0].t, o_busy=Signal(name="rcp_busy"), o_done=rdone, o_o=ro)
+        else:
+            m.submodules.rcp = rc = Recip()
+            m.d.comb += [rc.start.eq(ctl.rcp), rc.x.eq(pes[0].t), rdone.eq(rc.done), ro.eq(rc.o)]
+        with m.If(ctl.rcp):
+            m.d.sync += rcp_tag.eq(ctl.tag)
+        with m.If(rdone):
+            m.d.sync += ret[rcp_tag].eq(ro)
+        m.d.comb += [self.ev_tree.eq(tree.res_valid), self.ev_tree_tag.eq(tree.res_tag),
+                     self.ev_rcp.eq(rdone), self.ev_rcp_tag.eq(rcp_tag)]
+        ret_sel = Signal(32)
+        m.d.comb += ret_sel.eq(ret[ctl.ret_sel])
+        # --- P broadcast: the psel column's synchronous read
+        sds = Array([pe.sd for pe in pes])
+        a16 = Signal(16)
+        m.d.comb += a16.eq(Mux(ctl.pv, sds[self.psel][0:16], self.q16))
+        for c, pe in enumerate(pes):
+            m.d.comb += [
+                pe.ctl.eq(ctl), pe.a16.eq(a16), pe.b16.eq(self.col_b16[c]), pe.cst.eq(self.cst),
+                pe.vis.eq(self.vis[c]), pe.ret.eq(ret_sel), pe.sa.eq(self.sa),
+                tree.leaves[c].eq(pe.t), self.sd[c].eq(pe.sd),
+            ]
+            if self.pe_as_instance:
+                m.submodules[f"pe{c}"] = Instance(
+                    PE_MODULE, i_clk=ClockSignal(), i_rst=ResetSignal(),
+                    i_ctl=pe.ctl.as_value(), i_a16=pe.a16, i_b16=pe.b16, i_cst=pe.cst,
+                    i_vis=pe.vis, i_ret=pe.ret, i_sa=pe.sa, o_sd=pe.sd, o_t=pe.t)
+            else:
+                m.submodules[f"pe{c}"] = pe
+        return m
+
+
+class PeArray(wiring.Component):
+    """R PE rows and the read-out mux.
+
+    Parameters
+    ----------
+    config : NPUConfig
+    pe_as_instance : bool
+        Instantiate the shared Verilog modules (``module_texts``; for Verilog
+        builds) instead of elaborating the blocks inline (for ``amaranth.sim``).
+
+    Ports
+    -----
+    ctl : In(ctl_layout)
+        Control word, aligned with the operand buses (same cycle).
+    row_a16 : In(ArrayLayout(16, R))
+        Q operand of each PE row (S phase).
+    col_b16 : In(ArrayLayout(16, C))
+        K (S phase) or V (P.V phase) operand of each PE column.
+    psel : In(range(C))
+        P.V: the PE column whose ``sd`` drives the row's P broadcast.
+    cst : In(32)
+        Score constant (binary32).
+    vis : In(ArrayLayout(1, R * C))
+        Visibility bit of PE (r, c) at index r * C + c (SCALE ops).
+    sa : In(log2 regs)
+        Synchronous read address of every PE (one cycle ahead of use).
+    rd_row : In(range(R))
+        Row whose ``sd`` values appear on ``rd_data`` (aligned with ``sd``,
+        i.e. give it one cycle after the ``sa`` it belongs to).
+    rd_data : Out(ArrayLayout(32, C))
+        ``sd`` of the PEs of row ``rd_row`` (combinational from flops).
+    ev_tree, ev_tree_tag : Out(1), Out(tag)
+        PE row 0's tree delivers a result with this tag this cycle (it is in
+        the return registers from the next cycle; all rows run in lockstep).
+    ev_rcp, ev_rcp_tag : Out(1), Out(tag)
+        Likewise for PE row 0's reciprocal.
+    """
+
+    def __init__(self, config: NPUConfig, pe_as_instance: bool = False):
+        self.config = config
+        self.pe_as_instance = bool(pe_as_instance)
+        R, C = config.array_rows, config.array_cols
+        self.regs = RegMap(config)
+        super().__init__({
+            "ctl": In(ctl_layout(config)),
+            "row_a16": In(data.ArrayLayout(16, R)),
+            "col_b16": In(data.ArrayLayout(16, C)),
+            "psel": In(range(C)),
+            "cst": In(32),
+            "vis": In(data.ArrayLayout(1, R * C)),
+            "sa": In(_bits(config.pe_registers)),
+            "rd_row": In(range(R)),
+            "rd_data": Out(data.ArrayLayout(32, C)),
+            "ev_tree": Out(1), "ev_tree_tag": Out(_bits(3 * config.rows_per_pe)),
+            "ev_rcp": Out(1), "ev_rcp_tag": Out(_bits(3 * config.rows_per_pe)),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        cfg = self.config
+        R, C = cfg.array_rows, cfg.array_cols
+        if self.pe_as_instance:
+            proto = PeRow(cfg, pe_as_instance=True)
+            proto._MustUse__silence = True
+            rows = [proto.signature.create(path=(f"row{r}",)) for r in range(R)]
+        else:
+            rows = [PeRow(cfg) for _ in range(R)]
+        for r, row in enumerate(rows):
+            m.d.comb += [
+                row.ctl.eq(self.ctl), row.q16.eq(self.row_a16[r]), row.col_b16.eq(self.col_b16),
+                row.psel.eq(self.psel), row.cst.eq(self.cst), row.sa.eq(self.sa),
+                row.vis.eq(Cat(*[self.vis[r * C + c] for c in range(C)])),
+            ]
+            if self.pe_as_instance:
+                m.submodules[f"row{r}"] = Instance(
+                    ROW_MODULE, i_clk=ClockSignal(), i_rst=ResetSignal(),
+                    i_ctl=row.ctl.as_value(), i_q16=row.q16, i_col_b16=row.col_b16.as_value(),
+                    i_psel=row.psel, i_cst=row.cst, i_vis=row.vis, i_sa=row.sa,
+                    o_sd=row.sd.as_value(), o_ev_tree=row.ev_tree, o_ev_tree_tag=row.ev_tree_tag,
+                    o_ev_rcp=row.ev_rcp, o_ev_rcp_tag=row.ev_rcp_tag)
+            else:
+                m.submodules[f"row{r}"] = row
+        m.d.comb += [self.ev_tree.eq(rows[0].ev_tree), self.ev_tree_tag.eq(rows[0].ev_tree_tag),
+                     self.ev_rcp.eq(rows[0].ev_rcp), self.ev_rcp_tag.eq(rows[0].ev_rcp_tag)]
+        sd_rows = Array([rows[r].sd.as_value() for r in range(R)])
+        m.d.comb += self.rd_data.eq(sd_rows[self.rd_row])
+        return m

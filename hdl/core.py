@@ -1,0 +1,681 @@
+"""The compute core: tile buffers and operand feeders, the tile sequencer,
+the PE array, the O read-out stream, debug access and counters.
+
+Design trade-off
+----------------
+Phases run one after the other on the whole array (S = Q.K^T, softmax,
+O += P.V), which keeps one control word per cycle for all PEs.  The MAC
+phases cost head_dim*wr*wc and Bc*wr*od cycles (512 + 512 at head_dim 128 on
+the default 32 x 32 array); the softmax between them is a short, statically
+scheduled micro-program (~25 cycles, ``softmax_program``) because every PE
+only owns a 2 x 2 block of the score tile and the row reductions go through
+a log2(C)-level tree.  So the array is MAC-busy for > 95 % of a tile pair
+without overlapping the softmax of tile j with the MACs of tile j+1 — an
+overlap that would need a second score register set and a second control
+stream.  Masking is computed per PE from row and column indices, so causal
+and padded tiles cost no extra cycles; buffers are ping-ponged so the next
+K/V tile loads while this one computes.
+
+::
+
+   wr stream ──► Q buffers (one per PE row) ──┐ lane k        (sync reads =
+   (sel,row,   ► K0/K1 (one per PE column) ───┤ lane k         the operand
+    FP16 row)  ► V0/V1 (one, all columns) ────┤ lane od*c+n    register)
+               ► mask (one per PE row) ───────┤ bit wc*c+b
+                                              ▼
+   cmd ──► sequencer ── issue (ctl, a, b, k, n) ─┬─► feeder addresses, PE sa
+            │  S loop / ROM programs / PV loop   └─► ctl register ─► PeArray
+            │                                         ▲ vis (row/col compare)
+            └─► counters, status, pause            rd_data ─► o stream / dbg
+
+Pipeline: the sequencer *issues* a step in cycle t (tile-buffer and PE
+read addresses); the operands come out of synchronous reads in cycle t+1,
+when the control word (registered once) reaches the PEs.
+
+Command / status protocol (``CoreCmd``): the core waits for the Q buffer
+and, per kv tile j, for K/V half j % 2 (and the mask buffer when
+``mask_en``); it releases K after the S phase, the mask after the softmax,
+V after P.V and Q after the last S phase, so a loader can refill a half
+while the other computes.  A buffer becomes full with the ``last`` row
+write; writes never stall.  After the last tile O is normalised and
+streamed out as ``Br * od`` beats (``CoreOut``): beat (row, n) carries
+O[row, od*c + n] in lane c for every PE column c.  That is the array's
+natural layout (each PE column supplies one lane per cycle); a row-major
+max_head_dim-lane beat would need an od-deep reassembly buffer and a
+run-time lane permutation, and a DMA with a 2-D descriptor (stride od)
+scatters these beats directly.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from amaranth.hdl import Array, Cat, Const, Module, Mux, Signal
+from amaranth.lib import data, stream, wiring
+from amaranth.lib.memory import Memory
+from amaranth.lib.wiring import In, Out
+
+from flashnpu.config import NPUConfig
+
+from .array import PeArray, module_texts
+from .pe import PeOp, RegMap, TreeOp, _bits, ctl_layout
+
+__all__ = ["BufSel", "Phase", "PausePoint", "cmd_layout", "write_layout", "out_layout",
+           "rom_layout", "init_program", "softmax_program", "final_program", "Core",
+           "core_verilog", "CORE_MODULE"]
+
+CORE_MODULE = "flashnpu_core"
+
+
+class BufSel(enum.IntEnum):
+    """Tile buffer selected by a row write (bit index in ``full``)."""
+    Q = 0
+    K0 = 1
+    V0 = 2
+    K1 = 3
+    V1 = 4
+    MASK = 5
+
+
+class Phase(enum.IntEnum):
+    """Sequencer state (visible on the ``phase`` port)."""
+    IDLE = 0
+    INIT = 1
+    WAIT_K = 2
+    S = 3
+    WAIT_M = 4
+    SM = 5
+    WAIT_V = 6
+    PV = 7
+    FINAL = 8
+    OUT = 9
+    PAUSED = 10
+
+
+class PausePoint(enum.IntEnum):
+    """Bits of the command's ``pause`` mask (and values of ``pause_at``)."""
+    S_RAW = 0     # after the S phase: S registers hold S_raw
+    S = 1         # after scaling/masking: S registers hold S (golden ``S``)
+    TILE = 2      # after P.V: P, m_i, l_i, alpha, O_acc of the tile
+
+
+def cmd_layout(config: NPUConfig) -> data.StructLayout:
+    """Fields of a q-tile command.
+
+    head_dim (1..max_head_dim), n_kv (kv tiles, >= 1), c (binary32 score
+    constant), causal, q_row0 (absolute index of the tile's first query),
+    seq_q, seq_kv, kv_valid_len (keys >= it are invisible; give seq_kv for
+    none), mask_en (AND the mask buffer into visibility, one mask per kv
+    tile), pause (PausePoint bit mask: stop there until ``resume``).
+    """
+    return data.StructLayout({
+        "head_dim": 16, "n_kv": 16, "c": 32, "causal": 1, "q_row0": 16, "seq_q": 16,
+        "seq_kv": 16, "kv_valid_len": 16, "mask_en": 1, "pause": 3,
+    })
+
+
+def write_layout(config: NPUConfig) -> data.StructLayout:
+    """Row write into a tile buffer: ``sel`` (BufSel), ``row`` (0..Br-1 for
+    Q/mask, 0..Bc-1 for K/V), ``last`` (the buffer is full after this row),
+    ``data`` (max_head_dim FP16 lanes, lane 0 = bits 0..15; a mask row uses
+    bits 0..Bc-1)."""
+    return data.StructLayout({
+        "sel": BufSel, "row": range(max(config.br, config.bc)), "last": 1,
+        "data": data.ArrayLayout(16, config.max_head_dim),
+    })
+
+
+def out_layout(config: NPUConfig) -> data.StructLayout:
+    """O beat: ``row`` (0..Br-1), ``n`` (0..od-1), ``data`` lane c =
+    O[row, od * c + n] (binary32)."""
+    od = config.o_cols_per_pe(config.max_head_dim)
+    return data.StructLayout({
+        "row": range(config.br), "n": range(od), "data": data.ArrayLayout(32, config.array_cols),
+    })
+
+
+def rom_layout(config: NPUConfig) -> data.StructLayout:
+    """A micro-program word: PE control, the (a, b) of SCALE ops (for the
+    visibility bits), ``n`` of an O-column op (``ocol``: words with
+    n >= od are skipped at run time), ``wait`` (stall until the return
+    register ``ctl.ret_sel`` holds a fresh result), ``pause`` (S pause
+    point) and ``last``."""
+    od = config.o_cols_per_pe(config.max_head_dim)
+    return data.StructLayout({
+        "ctl": ctl_layout(config), "a": range(config.rows_per_pe), "b": range(config.cols_per_pe),
+        "n": range(od), "ocol": 1, "wait": 1, "pause": 1, "last": 1,
+    })
+
+
+def _word(op=PeOp.NOP, ra=0, rb=0, wa=0, first=0, ret_sel=0, tree=TreeOp.NONE, tag=0, rcp=0,
+          a=0, b=0, n=None, wait=0, pause=0):
+    return dict(ctl=dict(op=op, ra=ra, rb=rb, wa=wa, first=first, skipz=0, pv=0, ret_sel=ret_sel,
+                         tree=tree, tag=tag, rcp=rcp),
+                a=a, b=b, n=0 if n is None else n, ocol=int(n is not None), wait=wait,
+                pause=pause, last=0)
+
+
+def init_program(config: NPUConfig) -> list:
+    """m_i = -inf, l_i = 0, O_acc = 0 for every row of the PE."""
+    g = RegMap(config)
+    prog = [_word(PeOp.SETNI, wa=g.M(a)) for a in range(g.wr)]
+    prog += [_word(PeOp.SETZ, wa=g.L(a)) for a in range(g.wr)]
+    prog += [_word(PeOp.SETZ, wa=g.O(a, n), n=n) for a in range(g.wr) for n in range(g.od)]
+    prog.append(_word())
+    prog[-1]["last"] = 1
+    return prog
+
+
+def softmax_program(config: NPUConfig) -> list:
+    """The softmax of one kv tile as a micro-program.
+
+    Order: SCALE (+mask, +max fold into T) per row, each row's max injected
+    into the tree right after its fold; per row: MALPHA (waits for the row
+    max; m_new, alpha), PEXP per column (P in place, sum fold), MSET
+    (m_i = m_new, injects the row sum); RESC (O_acc *= alpha) for every O
+    column, which fills the tree latency; LUPD per row (waits for the row
+    sum).  Waits are resolved at run time by a scoreboard of the return
+    registers, so skipped O columns (n >= od) never shorten a wait.  The
+    word that injects the last row max carries the S pause point.
+    """
+    g = RegMap(config)
+    prog = []
+    pend = []
+
+    def emit(w):
+        if pend and w["ctl"]["tree"] == TreeOp.NONE and not w["wait"]:
+            tree, tag, pause = pend.pop(0)
+            w["ctl"]["tree"], w["ctl"]["tag"], w["pause"] = tree, tag, pause
+        prog.append(w)
+
+    for a in range(g.wr):
+        for b in range(g.wc):
+            emit(_word(PeOp.SCALE, ra=g.S(a, b), wa=g.S(a, b), first=int(b == 0), a=a, b=b))
+        pend.append((TreeOp.MAX, g.tag_max(a), int(a == g.wr - 1)))
+    while pend:
+        emit(_word())
+    for a in range(g.wr):
+        emit(_word(PeOp.MALPHA, ra=g.M(a), wa=g.ALPHA(a), ret_sel=g.tag_max(a), wait=1))
+        for b in range(g.wc):
+            emit(_word(PeOp.PEXP, ra=g.S(a, b), wa=g.S(a, b), first=int(b == 0)))
+        emit(_word(PeOp.MSET, wa=g.M(a), tree=TreeOp.SUM, tag=g.tag_sum(a)))
+    for a in range(g.wr):
+        for n in range(g.od):
+            emit(_word(PeOp.RESC, ra=g.ALPHA(a), rb=g.O(a, n), wa=g.O(a, n), n=n))
+    for a in range(g.wr):
+        emit(_word(PeOp.LUPD, ra=g.ALPHA(a), rb=g.L(a), wa=g.L(a), ret_sel=g.tag_sum(a), wait=1))
+    prog[-1]["last"] = 1
+    return prog
+
+
+def final_program(config: NPUConfig) -> list:
+    """O = O_acc * (1/l) per row: T = l, start the row's reciprocal (its
+    operand is T of PE (r, 0)), wait for it, FINAL on every O column
+    (l == 0 gives +0)."""
+    g = RegMap(config)
+    prog = []
+    for a in range(g.wr):
+        prog.append(_word(PeOp.LOADT, ra=g.L(a)))
+        prog.append(_word(rcp=1, tag=g.tag_rcp(a)))
+        for n in range(g.od):
+            prog.append(_word(PeOp.FINAL, ra=g.O(a, n), rb=g.L(a), wa=g.O(a, n),
+                              ret_sel=g.tag_rcp(a), wait=int(n == 0), n=n))
+    prog.append(_word())
+    prog[-1]["last"] = 1
+    return prog
+
+
+def _onehot(v, width):
+    return (Const(1, width) << v)[0:width]
+
+
+class Core(wiring.Component):
+    """FlashAttention compute core for one q tile at a time.
+
+    Parameters
+    ----------
+    config : NPUConfig
+    pe_as_instance : bool
+        See ``PeArray``: True for Verilog builds (``core_verilog``).
+
+    Ports
+    -----
+    cmd : In(stream.Signature(cmd_layout))
+        Start a q tile (accepted in IDLE).  A command with head_dim outside
+        1..max_head_dim or n_kv == 0 is rejected: ``err`` = 1, nothing runs.
+    wr : In(stream.Signature(write_layout))
+        Tile-buffer row writes, one row per cycle, always ready.
+    full : Out(6)
+        Buffer full flags, bit ``BufSel``.
+    o : Out(stream.Signature(out_layout))
+        Normalised O, ``Br * od`` beats (row-major, n fastest), valid/ready.
+    phase : Out(Phase); busy, paused, done (1-cycle pulse at the end), err : Out(1)
+    pause_at : Out(PausePoint); tile : Out(16) (current kv tile)
+    resume : In(1)
+        Leave a pause (sampled while ``paused``).
+    dbg_addr : In(log2 regs); dbg_row : In(range(R))
+    dbg_data : Out(ArrayLayout(32, C))
+        Register ``dbg_addr`` of every PE of row ``dbg_row``, one cycle after
+        the address (valid while IDLE, paused or waiting for a buffer).
+    cnt_total, cnt_mac, cnt_softmax, cnt_stall, cnt_tile_last, cnt_tile_sum : Out(32)
+        Cycles of the current/last command (pauses excluded): all, with a
+        MAC control word in the array, in the softmax program, waiting for a
+        buffer, of the last kv tile (from its first S step to the end of its
+        P.V), and summed over the kv tiles.
+    ops_mac, ops_exp2, ops_recip : Out(48)
+        MAC slots (R*C per MAC cycle, skipped P.V MACs included), exp2
+        evaluations (R*C per PEXP/MALPHA cycle), reciprocals (R per start).
+    """
+
+    def __init__(self, config: NPUConfig, pe_as_instance: bool = False):
+        self.config = config
+        self.pe_as_instance = bool(pe_as_instance)
+        self.regs = RegMap(config)
+        R, C = config.array_rows, config.array_cols
+        ab = _bits(config.pe_registers)
+        self.programs = {"init": init_program(config), "sm": softmax_program(config),
+                         "final": final_program(config)}
+        super().__init__({
+            "cmd": In(stream.Signature(cmd_layout(config))),
+            "wr": In(stream.Signature(write_layout(config))),
+            "full": Out(6),
+            "o": Out(stream.Signature(out_layout(config))),
+            "phase": Out(Phase), "busy": Out(1), "paused": Out(1), "done": Out(1), "err": Out(1),
+            "pause_at": Out(PausePoint), "tile": Out(16), "resume": In(1),
+            "dbg_addr": In(ab), "dbg_row": In(range(R)), "dbg_data": Out(data.ArrayLayout(32, C)),
+            "cnt_total": Out(32), "cnt_mac": Out(32), "cnt_softmax": Out(32), "cnt_stall": Out(32),
+            "cnt_tile_last": Out(32), "cnt_tile_sum": Out(32),
+            "ops_mac": Out(48), "ops_exp2": Out(48), "ops_recip": Out(48),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        cfg = self.config
+        g = self.regs
+        R, C, Br, Bc = cfg.array_rows, cfg.array_cols, cfg.br, cfg.bc
+        wr, wc, odm, mhd = g.wr, g.wc, g.od, cfg.max_head_dim
+        lanes = 16 * mhd          # tile rows are stored as flat words (lane 0 = bits 0..15)
+        wdata = self.wr.payload.data.as_value()
+        m.submodules.array = arr = PeArray(cfg, self.pe_as_instance)
+
+        # ------------------------------------------------------------ command
+        cmd = Signal(cmd_layout(cfg))
+        od = Signal(range(odm + 1))          # O columns per PE for this head_dim
+        full = Signal(6)
+        release = Signal(6)
+        m.d.comb += self.full.eq(full)
+
+        # ------------------------------------------------------- tile buffers
+        w = self.wr.payload
+        m.d.comb += self.wr.ready.eq(1)
+        wvalid = self.wr.valid
+        with m.If(wvalid & w.last):
+            m.d.sync += full.eq((full & ~release) | _onehot(w.sel, 6))
+        with m.Else():
+            m.d.sync += full.eq(full & ~release)
+
+        qmem, kmem, mmem = [], [], []
+        for r in range(R):
+            mem = Memory(shape=lanes, depth=wr, init=[])
+            m.submodules[f"qbuf{r}"] = mem
+            wp = mem.write_port()
+            hit = (w.row >= wr * r) & (w.row < wr * (r + 1))
+            m.d.comb += [wp.addr.eq(w.row - wr * r), wp.data.eq(wdata),
+                         wp.en.eq(wvalid & hit & (w.sel == BufSel.Q))]
+            qmem.append(mem.read_port(domain="sync"))
+            mm = Memory(shape=Bc, depth=wr, init=[])
+            m.submodules[f"mbuf{r}"] = mm
+            wp = mm.write_port()
+            m.d.comb += [wp.addr.eq(w.row - wr * r), wp.data.eq(wdata[0:Bc]),
+                         wp.en.eq(wvalid & hit & (w.sel == BufSel.MASK))]
+            mmem.append(mm.read_port(domain="sync"))
+        for c in range(C):
+            mem = Memory(shape=lanes, depth=2 * wc, init=[])
+            m.submodules[f"kbuf{c}"] = mem
+            wp = mem.write_port()
+            hit = (w.row >= wc * c) & (w.row < wc * (c + 1))
+            half = w.sel == BufSel.K1
+            m.d.comb += [wp.addr.eq(Mux(half, wc, 0) + w.row - wc * c), wp.data.eq(wdata),
+                         wp.en.eq(wvalid & hit & ((w.sel == BufSel.K0) | half))]
+            kmem.append(mem.read_port(domain="sync"))
+        m.submodules.vbuf = vmem_ = Memory(shape=lanes, depth=2 * Bc, init=[])
+        wp = vmem_.write_port()
+        vhalf = w.sel == BufSel.V1
+        m.d.comb += [wp.addr.eq(Mux(vhalf, Bc, 0) + w.row), wp.data.eq(wdata),
+                     wp.en.eq(wvalid & ((w.sel == BufSel.V0) | vhalf))]
+        vmem = vmem_.read_port(domain="sync")
+
+        # ------------------------------------------------------ ROM programs
+        progs = self.programs
+        base = {}
+        words = []
+        for name in ("init", "sm", "final"):
+            base[name] = len(words)
+            words += progs[name]
+        m.submodules.rom = rom_mem = Memory(shape=rom_layout(cfg), depth=len(words), init=words)
+        rom = rom_mem.read_port(domain="comb")
+        pc = Signal(range(len(words)))
+        m.d.comb += rom.addr.eq(pc)
+        word = rom.data
+
+        # --------------------------------------------------------- sequencer
+        phase = Signal(Phase)
+        resume_to = Signal(Phase)
+        resume_pc = Signal.like(pc)
+        pause_at = Signal(PausePoint)
+        tile = Signal(16)
+        kv0 = Signal(17)
+        k = Signal(range(max(mhd, Bc) + 1))
+        kc = Signal(range(C))                 # k // wc (P.V)
+        kb = Signal(range(wc))                # k % wc (P.V)
+        a = Signal(range(wr))
+        b = Signal(range(wc))
+        n = Signal(range(odm))
+        m.d.comb += [self.phase.eq(phase), self.pause_at.eq(pause_at), self.tile.eq(tile),
+                     self.paused.eq(phase == Phase.PAUSED),
+                     self.busy.eq(phase != Phase.IDLE)]
+        m.d.sync += self.done.eq(0)
+        half = tile[0]
+        k_sel = Mux(half, 1 << BufSel.K1, 1 << BufSel.K0)
+        v_sel = Mux(half, 1 << BufSel.V1, 1 << BufSel.V0)
+        k_ok = ((full & k_sel) != 0) & full[BufSel.Q]
+        v_ok = (full & v_sel) != 0
+        m_ok = ~cmd.mask_en | full[BufSel.MASK]
+
+        # issue-stage step
+        iss = Signal(ctl_layout(cfg))
+        iss_a = Signal(range(wr))
+        iss_b = Signal(range(wc))
+        iss_k = Signal.like(k)
+        iss_n = Signal(range(odm))
+        iss_kc = Signal(range(C))
+        sa_pv = Signal(range(cfg.pe_registers))
+        use_pv_sa = Signal()
+
+        # O read-out indices
+        o_r = Signal(range(R))
+        o_a = Signal(range(wr))
+        o_n = Signal(range(odm))
+        primed = Signal()
+
+        enter_s = Signal()
+
+        def start_s():
+            m.d.comb += enter_s.eq(1)
+            m.d.sync += [phase.eq(Phase.S), k.eq(0), a.eq(0), b.eq(0)]
+
+        def start_pv():
+            m.d.sync += [k.eq(0), kc.eq(0), kb.eq(0), a.eq(0), n.eq(0)]
+
+        def after_tile():
+            """Decide what follows the P.V of a tile (tile already counted)."""
+            last_tile = tile + 1 == cmd.n_kv
+            nxt = Signal(Phase, name="after_tile")
+            with m.If(last_tile):
+                m.d.comb += nxt.eq(Phase.FINAL)
+            with m.Else():
+                m.d.comb += nxt.eq(Phase.WAIT_K)
+            next_k = Mux(half, 1 << BufSel.K0, 1 << BufSel.K1)
+            with m.If(cmd.pause[PausePoint.TILE]):
+                m.d.sync += [phase.eq(Phase.PAUSED), resume_to.eq(nxt),
+                             pause_at.eq(PausePoint.TILE), resume_pc.eq(base["final"])]
+            with m.Elif(~last_tile & ((full & next_k) != 0)):
+                start_s()                      # back-to-back tiles: no bubble
+            with m.Else():
+                m.d.sync += [phase.eq(nxt), pc.eq(base["final"])]
+
+        # return-register scoreboard: a word with ``wait`` stalls until the
+        # result it reads (tag ``ret_sel``) has arrived.  A result that is
+        # written this cycle counts, because the word executes one cycle later.
+        ready = Signal(3 * wr)
+        arrive = Signal(3 * wr)
+        m.d.comb += arrive.eq(Mux(arr.ev_tree, _onehot(arr.ev_tree_tag, 3 * wr), 0)
+                              | Mux(arr.ev_rcp, _onehot(arr.ev_rcp_tag, 3 * wr), 0))
+        clear = Signal(3 * wr)
+        m.d.sync += ready.eq((ready | arrive) & ~clear)
+        ready_now = ready | arrive
+
+        def run_rom(on_last):
+            stall = word.wait & ~ready_now.bit_select(word.ctl.ret_sel, 1)
+            with m.If(~stall):
+                m.d.comb += [iss.eq(word.ctl), iss_a.eq(word.a), iss_b.eq(word.b)]
+                with m.If((word.ctl.tree != TreeOp.NONE) | word.ctl.rcp):
+                    m.d.comb += clear.eq(_onehot(word.ctl.tag, 3 * wr))
+                pc_next = Mux(word.ocol & (word.n == od - 1), pc + 1 + odm - od, pc + 1)
+                m.d.sync += pc.eq(pc_next)
+                with m.If(word.last):
+                    on_last()
+                with m.Elif(word.pause & cmd.pause[PausePoint.S]):
+                    m.d.sync += [phase.eq(Phase.PAUSED), resume_to.eq(phase),
+                                 pause_at.eq(PausePoint.S), resume_pc.eq(pc_next)]
+
+        with m.Switch(phase):
+            with m.Case(Phase.IDLE):
+                m.d.comb += self.cmd.ready.eq(1)
+                with m.If(self.cmd.valid):
+                    p = self.cmd.payload
+                    bad = (p.head_dim == 0) | (p.head_dim > mhd) | (p.n_kv == 0)
+                    m.d.sync += self.err.eq(bad)
+                    with m.If(~bad):
+                        m.d.sync += [cmd.eq(p), phase.eq(Phase.INIT), pc.eq(base["init"]),
+                                     tile.eq(0), kv0.eq(0),
+                                     od.eq((p.head_dim + C - 1) >> (C.bit_length() - 1))]
+            with m.Case(Phase.INIT):
+                def init_last():
+                    m.d.sync += phase.eq(Phase.WAIT_K)
+                run_rom(init_last)
+            with m.Case(Phase.WAIT_K):
+                with m.If(k_ok):
+                    start_s()
+            with m.Case(Phase.S):
+                m.d.comb += [iss.op.eq(PeOp.MAC), iss.ra.eq(a * wc + b), iss.wa.eq(a * wc + b),
+                             iss.first.eq(k == 0), iss_a.eq(a), iss_b.eq(b), iss_k.eq(k)]
+                last_b = b == wc - 1
+                last_a = a == wr - 1
+                last_k = k == cmd.head_dim - 1
+                m.d.sync += b.eq(Mux(last_b, 0, b + 1))
+                with m.If(last_b):
+                    m.d.sync += a.eq(Mux(last_a, 0, a + 1))
+                    with m.If(last_a):
+                        m.d.sync += k.eq(k + 1)
+                with m.If(last_b & last_a & last_k):
+                    m.d.comb += release.eq(k_sel | Mux(tile + 1 == cmd.n_kv, 1 << BufSel.Q, 0))
+                    m.d.sync += pc.eq(base["sm"])
+                    with m.If(cmd.pause[PausePoint.S_RAW]):
+                        m.d.sync += [phase.eq(Phase.PAUSED), resume_to.eq(Phase.WAIT_M),
+                                     pause_at.eq(PausePoint.S_RAW), resume_pc.eq(base["sm"])]
+                    with m.Elif(m_ok):
+                        m.d.sync += phase.eq(Phase.SM)
+                    with m.Else():
+                        m.d.sync += phase.eq(Phase.WAIT_M)
+            with m.Case(Phase.WAIT_M):
+                with m.If(m_ok):
+                    m.d.sync += phase.eq(Phase.SM)
+            with m.Case(Phase.SM):
+                def sm_last():
+                    m.d.comb += release.eq(Mux(cmd.mask_en, 1 << BufSel.MASK, 0))
+                    with m.If(v_ok):
+                        m.d.sync += phase.eq(Phase.PV)
+                        start_pv()
+                    with m.Else():
+                        m.d.sync += phase.eq(Phase.WAIT_V)
+                run_rom(sm_last)
+            with m.Case(Phase.WAIT_V):
+                with m.If(v_ok):
+                    m.d.sync += phase.eq(Phase.PV)
+                    start_pv()
+            with m.Case(Phase.PV):
+                m.d.comb += [iss.op.eq(PeOp.MAC), iss.ra.eq(g.o_base + a * odm + n),
+                             iss.wa.eq(g.o_base + a * odm + n), iss.skipz.eq(1), iss.pv.eq(1),
+                             iss_a.eq(a), iss_k.eq(k), iss_n.eq(n), iss_kc.eq(kc),
+                             sa_pv.eq(a * wc + kb), use_pv_sa.eq(1)]
+                last_n = n == od - 1
+                last_a = a == wr - 1
+                last_k = k == Bc - 1
+                m.d.sync += n.eq(Mux(last_n, 0, n + 1))
+                with m.If(last_n):
+                    m.d.sync += a.eq(Mux(last_a, 0, a + 1))
+                    with m.If(last_a):
+                        m.d.sync += [k.eq(k + 1), kb.eq(Mux(kb == wc - 1, 0, kb + 1))]
+                        with m.If(kb == wc - 1):
+                            m.d.sync += kc.eq(kc + 1)
+                with m.If(last_n & last_a & last_k):
+                    m.d.comb += release.eq(v_sel)
+                    m.d.sync += [tile.eq(tile + 1), kv0.eq(kv0 + Bc)]
+                    after_tile()
+            with m.Case(Phase.FINAL):
+                def final_last():
+                    m.d.sync += [phase.eq(Phase.OUT), o_r.eq(0), o_a.eq(0), o_n.eq(0),
+                                 primed.eq(0)]
+                run_rom(final_last)
+            with m.Case(Phase.OUT):
+                pass                                   # see the read-out section
+            with m.Case(Phase.PAUSED):
+                with m.If(self.resume):
+                    m.d.sync += [phase.eq(resume_to), pc.eq(resume_pc)]
+
+        # ------------------------------------------------------ O read-out
+        fire = self.o.valid & self.o.ready
+        nx_n = Signal.like(o_n)
+        nx_a = Signal.like(o_a)
+        nx_r = Signal.like(o_r)
+        last_beat = (o_n == od - 1) & (o_a == wr - 1) & (o_r == R - 1)
+        m.d.comb += [
+            nx_n.eq(Mux(o_n == od - 1, 0, o_n + 1)),
+            nx_a.eq(Mux(o_n == od - 1, Mux(o_a == wr - 1, 0, o_a + 1), o_a)),
+            nx_r.eq(Mux((o_n == od - 1) & (o_a == wr - 1), o_r + 1, o_r)),
+        ]
+        use_r = Mux(fire, nx_r, o_r)
+        use_a = Mux(fire, nx_a, o_a)
+        use_n = Mux(fire, nx_n, o_n)
+        in_out = phase == Phase.OUT
+        m.d.comb += [
+            self.o.valid.eq(in_out & primed),
+            self.o.payload.row.eq(o_r * wr + o_a),
+            self.o.payload.n.eq(o_n),
+            self.o.payload.data.eq(arr.rd_data),
+            self.dbg_data.eq(arr.rd_data),
+        ]
+        with m.If(in_out):
+            m.d.sync += primed.eq(1)
+            with m.If(fire):
+                m.d.sync += [o_r.eq(nx_r), o_a.eq(nx_a), o_n.eq(nx_n)]
+                with m.If(last_beat):
+                    m.d.sync += [phase.eq(Phase.IDLE), self.done.eq(1), primed.eq(0)]
+
+        # PE synchronous read port: P operand (P.V), O read-out, or debug
+        rd_row_d = Signal(range(R))
+        with m.If(use_pv_sa):
+            m.d.comb += arr.sa.eq(sa_pv)
+        with m.Elif(in_out):
+            m.d.comb += arr.sa.eq(g.o_base + use_a * odm + use_n)
+            m.d.sync += rd_row_d.eq(use_r)
+        with m.Else():
+            m.d.comb += arr.sa.eq(self.dbg_addr)
+            m.d.sync += rd_row_d.eq(self.dbg_row)
+        m.d.comb += arr.rd_row.eq(rd_row_d)
+
+        # --------------------------------------------- operand fetch (issue)
+        for r in range(R):
+            m.d.comb += [qmem[r].addr.eq(iss_a), mmem[r].addr.eq(iss_a)]
+        for c in range(C):
+            m.d.comb += kmem[c].addr.eq(Mux(half, wc, 0) + iss_b)
+        m.d.comb += vmem.addr.eq(Mux(half, Bc, 0) + iss_k)
+
+        # ------------------------------------- operand stage (issue + 1 cycle)
+        # One register stage for the control word and the step indices, so
+        # they meet the synchronous tile-buffer reads in the same cycle.
+        ctl_d = Signal(ctl_layout(cfg))
+        k_d = Signal.like(iss_k)
+        n_d = Signal.like(iss_n)
+        a_d = Signal.like(iss_a)
+        b_d = Signal.like(iss_b)
+        kc_d = Signal.like(iss_kc)
+        m.d.sync += [ctl_d.eq(iss), k_d.eq(iss_k), n_d.eq(iss_n), a_d.eq(iss_a), b_d.eq(iss_b),
+                     kc_d.eq(iss_kc)]
+        m.d.comb += [arr.ctl.eq(ctl_d), arr.psel.eq(kc_d), arr.cst.eq(cmd.c)]
+        for r in range(R):
+            m.d.comb += arr.row_a16[r].eq(qmem[r].data.word_select(k_d, 16))
+        hd = cmd.head_dim
+        for c in range(C):
+            lane = Signal(range(odm * C + 1), name=f"vlane{c}")
+            m.d.comb += lane.eq(od * c + n_d)
+            vval = Mux(lane < hd, vmem.data.word_select(lane, 16), 0)
+            m.d.comb += arr.col_b16[c].eq(Mux(ctl_d.pv, vval, kmem[c].data.word_select(k_d, 16)))
+        # visibility: i = q_row0 + wr r + a, j = kv0 + wc c + b
+        #   row valid: i < seq_q; key valid: j < seq_kv and j < kv_valid_len;
+        #   causal (bottom-right): j + seq_q <= i + seq_kv; mask bit.
+        # Row terms once per PE row, column terms once per PE column; each PE
+        # adds one compare (causal) and an AND.
+        col_ok, col_jq = [], []
+        not_causal = Signal()
+        m.d.comb += not_causal.eq(~cmd.causal)
+        for c in range(C):
+            j = Signal(18, name=f"kj{c}")
+            jq = Signal(18, name=f"kjq{c}")
+            ok = Signal(name=f"kok{c}")
+            m.d.comb += [j.eq(kv0 + wc * c + b_d), jq.eq(j + cmd.seq_q),
+                         ok.eq((j < cmd.seq_kv) & (j < cmd.kv_valid_len))]
+            col_ok.append(ok)
+            col_jq.append(jq)
+        for r in range(R):
+            i = Signal(17, name=f"qi{r}")
+            lim = Signal(18, name=f"lim{r}")
+            row_ok = Signal(name=f"qok{r}")
+            mrow = Signal(C, name=f"mrow{r}")
+            m.d.comb += [i.eq(cmd.q_row0 + wr * r + a_d), lim.eq(i + cmd.seq_kv),
+                         row_ok.eq(i < cmd.seq_q)]
+            # mask bits of this step (column b_d of every PE), all ones when off
+            by_b = Array([Cat(*[mmem[r].data[c * wc + bb] for c in range(C)]) for bb in range(wc)])
+            m.d.comb += mrow.eq(by_b[b_d] | Mux(cmd.mask_en, 0, (1 << C) - 1))
+            for c in range(C):
+                causal_ok = not_causal | (col_jq[c] <= lim)
+                m.d.comb += arr.vis[r * C + c].eq(row_ok & col_ok[c] & causal_ok & mrow[c])
+
+        # ------------------------------------------------------- counters
+        counting = (phase != Phase.IDLE) & (phase != Phase.PAUSED)
+        tile_cyc = Signal(32)
+        with m.If((phase == Phase.IDLE) & self.cmd.valid):
+            m.d.sync += [s.eq(0) for s in (self.cnt_total, self.cnt_mac, self.cnt_softmax,
+                                            self.cnt_stall, self.cnt_tile_last,
+                                            self.cnt_tile_sum, self.ops_mac, self.ops_exp2,
+                                            self.ops_recip, tile_cyc)]
+        with m.Else():
+            with m.If(counting):
+                m.d.sync += self.cnt_total.eq(self.cnt_total + 1)
+            with m.If(ctl_d.op == PeOp.MAC):
+                m.d.sync += [self.cnt_mac.eq(self.cnt_mac + 1),
+                             self.ops_mac.eq(self.ops_mac + R * C)]
+            with m.If((ctl_d.op == PeOp.PEXP) | (ctl_d.op == PeOp.MALPHA)):
+                m.d.sync += self.ops_exp2.eq(self.ops_exp2 + R * C)
+            with m.If(ctl_d.rcp):
+                m.d.sync += self.ops_recip.eq(self.ops_recip + R)
+            with m.If(phase == Phase.SM):
+                m.d.sync += self.cnt_softmax.eq(self.cnt_softmax + 1)
+            with m.If(((phase == Phase.WAIT_K) & ~k_ok) | ((phase == Phase.WAIT_M) & ~m_ok)
+                      | ((phase == Phase.WAIT_V) & ~v_ok)):
+                m.d.sync += self.cnt_stall.eq(self.cnt_stall + 1)
+            # tile cycles: from the first S step of a tile to the end of its P.V
+            with m.If(enter_s):
+                m.d.sync += tile_cyc.eq(0)
+            with m.Elif(counting):
+                m.d.sync += tile_cyc.eq(tile_cyc + 1)
+            with m.If((phase == Phase.PV) & (release != 0)):
+                m.d.sync += [self.cnt_tile_last.eq(tile_cyc + 1),
+                             self.cnt_tile_sum.eq(self.cnt_tile_sum + tile_cyc + 1)]
+        return m
+
+
+def core_verilog(config: NPUConfig, name: str = CORE_MODULE, top: "Core | None" = None) -> str:
+    """Verilog of the core with the PE, tree node and reciprocal modules
+    generated once and instantiated.
+
+    ``top`` (optional) is the ``Core(config, pe_as_instance=True)`` to
+    convert; one is made when omitted."""
+    from amaranth.back import verilog
+    if top is None:
+        top = Core(config, pe_as_instance=True)
+    if not top.pe_as_instance:
+        raise ValueError("core_verilog needs a Core built with pe_as_instance=True")
+    text = verilog.convert(top, name=name, emit_src=False)
+    return text + "\n" + module_texts(config)

@@ -1,0 +1,140 @@
+"""Row-reduction network: a pipelined binary tree over the C PEs of a PE row
+that computes the row max or the row sum of the PEs' ``T`` values.
+
+Design trade-off
+----------------
+The softmax needs two reductions per row and kv tile (max, then sum).  A
+tree has log2(C) adder levels; a linear chain through the PEs would need C
+steps and keep the PEs' adders busy.  Each level is registered, so a new
+reduction can enter every cycle (the sequencer interleaves the wr rows of a
+PE) and the critical path is one FP adder.  One node holds both an
+``Fp32Max`` and an ``Fp32AddSub`` (a max node is small next to the adder,
+and sharing the wires and registers halves the tree).
+
+The pairing is exactly ``numerics.tree_reduce``: level k combines
+neighbours (2i, 2i+1) of level k-1; the result is bit-exact whatever the
+operand order inside a node (max32 is a total order, add32 commutes).
+
+Dataflow (C = 8)::
+
+    T[0] T[1] T[2] T[3] T[4] T[5] T[6] T[7]     leaves (PE outputs, cycle x)
+      └─┬─┘     └─┬─┘     └─┬─┘     └─┬─┘
+       [n]       [n]       [n]       [n]        level 1 register (x+1)
+        └────┬────┘         └────┬────┘
+            [n]                 [n]             level 2 register (x+2)
+             └─────────┬─────────┘
+                      [n]                       level 3 register (x+3) = res
+
+``res`` is valid ``LATENCY = log2 C`` cycles after the injection cycle,
+carrying the injection's tag; the array latches it into the row's return
+registers (one more cycle) and broadcasts it back to every PE of the row.
+"""
+
+from amaranth.hdl import Module, Mux, Signal
+from amaranth.lib import data, wiring
+from amaranth.lib.wiring import In, Out
+
+from .fpu import Fp32AddSub, Fp32Max
+from .pe import TreeOp
+
+__all__ = ["ReduceNode", "RowReduce"]
+
+
+class ReduceNode(wiring.Component):
+    """One tree node, combinational: ``o = sum ? add32(a, b) : max32(a, b)``.
+
+    Ports
+    -----
+    a, b : In(32)   binary32 operands (left, right neighbour)
+    sum : In(1)     1: add, 0: max
+    o : Out(32)     result, combinational
+    """
+
+    a: In(32)
+    b: In(32)
+    sum: In(1)
+    o: Out(32)
+
+    def elaborate(self, platform):
+        m = Module()
+        m.submodules.add = add = Fp32AddSub()
+        m.submodules.mx = mx = Fp32Max()
+        m.d.comb += [
+            add.a.eq(self.a), add.b.eq(self.b), add.sub.eq(0),
+            mx.a.eq(self.a), mx.b.eq(self.b),
+            self.o.eq(Mux(self.sum, add.o, mx.o)),
+        ]
+        return m
+
+
+
+class RowReduce(wiring.Component):
+    """Pipelined reduction tree over ``cols`` leaves.
+
+    Parameters
+    ----------
+    cols : int
+        Number of leaves (PE columns), a power of two >= 2.
+    tag_width : int
+        Width of the tag carried along with a reduction.
+    node_factory : callable(level, index) -> (component or None, ports)
+        Builds the node; the array passes a factory that returns an
+        ``Instance`` of the shared node module for Verilog builds.  Default:
+        an inline ``ReduceNode``.
+
+    Ports
+    -----
+    leaves : In(ArrayLayout(32, cols))   the PEs' T values (cycle x)
+    op : In(TreeOp)                      NONE / MAX / SUM, sampled in cycle x
+    tag : In(tag_width)
+    res : Out(32)                        result, valid in cycle x + LATENCY
+    res_valid : Out(1)
+    res_tag : Out(tag_width)
+
+    Attributes
+    ----------
+    LATENCY : int  log2(cols)
+    """
+
+    def __init__(self, cols: int, tag_width: int, node_factory=None):
+        if cols < 2 or cols & (cols - 1):
+            raise ValueError(f"cols must be a power of two >= 2, not {cols!r}")
+        self.cols = cols
+        self.LATENCY = cols.bit_length() - 1
+        self._node_factory = node_factory
+        super().__init__({
+            "leaves": In(data.ArrayLayout(32, cols)), "op": In(TreeOp), "tag": In(tag_width),
+            "res": Out(32), "res_valid": Out(1), "res_tag": Out(tag_width),
+        })
+
+    def elaborate(self, platform):
+        m = Module()
+        level = [self.leaves[i] for i in range(self.cols)]
+        is_sum = self.op == TreeOp.SUM
+        valid = self.op != TreeOp.NONE
+        tag = self.tag
+        for lv in range(self.LATENCY):
+            nxt = []
+            for i in range(len(level) // 2):
+                o = Signal(32, name=f"l{lv + 1}_{i}")
+                if self._node_factory is None:
+                    node = ReduceNode()
+                    m.submodules[f"n{lv}_{i}"] = node
+                    m.d.comb += [node.a.eq(level[2 * i]), node.b.eq(level[2 * i + 1]),
+                                 node.sum.eq(is_sum)]
+                    m.d.sync += o.eq(node.o)
+                else:
+                    oc = Signal(32, name=f"c{lv + 1}_{i}")
+                    m.submodules[f"n{lv}_{i}"] = self._node_factory(level[2 * i], level[2 * i + 1],
+                                                                     is_sum, oc)
+                    m.d.sync += o.eq(oc)
+                nxt.append(o)
+            # The sum/max selection, valid and tag travel with the data: one
+            # register per level, so reductions of different rows can overlap.
+            s_n = Signal(name=f"sum{lv + 1}")
+            v_n = Signal(name=f"valid{lv + 1}")
+            t_n = Signal.like(self.tag, name=f"tag{lv + 1}")
+            m.d.sync += [s_n.eq(is_sum), v_n.eq(valid), t_n.eq(tag)]
+            is_sum, valid, tag, level = s_n, v_n, t_n, nxt
+        m.d.comb += [self.res.eq(level[0]), self.res_valid.eq(valid), self.res_tag.eq(tag)]
+        return m
