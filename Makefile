@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed
 
 # Knobs (declared once).
 SIM       ?= verilator
-BACKEND   ?= golden
+BACKEND   ?= rtl
 HEADS     ?= 2
 KV_HEADS  ?= $(HEADS)
 SEQ_Q     ?= 256
@@ -58,10 +58,10 @@ test-all: $(STAMP)
 	$(BIN)/python -m pytest -n $(JOBS) tb
 
 verilog: $(STAMP)
-	$(BIN)/flashnpu verilog --rows $(ROWS) --cols $(COLS) -o build/verilog/flashnpu_$(ROWS)x$(COLS).v
+	$(BIN)/flashnpu verilog --rows $(ROWS) --cols $(COLS) -o build/verilog/flashnpu_$(ROWS)x$(COLS).v $(if $(filter 1 yes true,$(LINT)),--lint,)
 
 fpga: $(STAMP)
-	$(BIN)/flashnpu fpga
+	$(BIN)/flashnpu fpga --auto --top $(or $(TOP),core) $(if $(BOARD),--board $(BOARD),) --generic $(ROWS)x$(COLS) --out results
 
 waves: $(STAMP)
 	$(BIN)/flashnpu waves build/waves/sim.vcd

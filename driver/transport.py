@@ -257,11 +257,56 @@ class BackendUnavailable(RuntimeError):
     """A registered backend cannot run here (missing hardware model, simulator...)."""
 
 
-def _rtl_unavailable(config: NPUConfig = DEFAULT, **_):
-    raise BackendUnavailable("the rtl backend needs the NPU top level; not built yet")
+class RTLTransport(Transport):
+    """Runs each job on the NPU's generated Verilog (``flashnpu.sim.rtl_backend``):
+    one cocotb session per job on a build cached per configuration.
+
+    The job goes in as the driver's mask (``[seq_q, window]``, one mask row per
+    query, shared by the heads), so padded and future slots are hidden whatever
+    they hold; ``cycles`` are the NPU's ``total_cycles`` counter and ``bytes``
+    follow ``job_bytes`` (the RTL's own per-level bytes are in ``last_counters``).
+
+    Raises
+    ------
+    BackendUnavailable
+        when no Verilator is installed.
+    RuntimeError
+        when the NPU stops a job with an error code.
+    """
+
+    name = "rtl"
+
+    def __init__(self, config: NPUConfig = DEFAULT, sim: str = "verilator", **_):
+        super().__init__(config)
+        from flashnpu.sim import runner
+        if not runner.have_simulator(sim):
+            raise BackendUnavailable(f"the rtl backend needs the simulator {sim!r}")
+        self.sim = sim
+        self.last_counters: dict = {}
+        self.sim_wall_s = 0.0
+
+    @property
+    def has_cycles(self) -> bool:
+        return True
+
+    def _run(self, job: AttentionJob) -> JobResult:
+        from flashnpu.hdl.npu import NPUError
+        from flashnpu.sim.case import AttentionCase
+        from flashnpu.sim.rtl_backend import run_jobs
+
+        case = AttentionCase(q=np.ascontiguousarray(job.q), k=np.ascontiguousarray(job.k),
+                             v=np.ascontiguousarray(job.v), mask=np.asarray(job.mask, bool),
+                             scale=float(job.scale))
+        r = run_jobs([dict(case=case, name=f"layer{job.layer}")], self.config, sim=self.sim)[0]
+        if r["error"]:
+            raise RuntimeError(f"the NPU stopped the job of layer {job.layer}: {NPUError(r['error']).name}")
+        self.last_counters = r["counters"]
+        self.sim_wall_s += r["wall_s"]
+        return JobResult(o=r["o"], cycles=int(r["counters"]["total_cycles"]),
+                         bytes=job_bytes(job, self.config))
 
 
-_BACKENDS: dict = {"golden": GoldenTransport, "rtl": _rtl_unavailable}
+_BACKENDS: dict = {"golden": GoldenTransport, "rtl": RTLTransport}
 
 
 def register_backend(name: str, factory) -> None:

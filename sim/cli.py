@@ -136,6 +136,8 @@ def _print_summary(s):
         for k, v in st.items():
             if k.startswith("bytes_"):
                 print(f"  {k[6:]:>10} bytes {v}")
+        if "waves" in st:
+            print(f"  waves: {st['waves']}")
     else:
         print(f"  tile pairs {st.get('tile_pairs')}, MACs {st.get('macs')}, exp2 {st.get('exp2')}, "
               f"recip {st.get('recip')} (no cycle counts: the golden backend is not timed)")

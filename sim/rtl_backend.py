@@ -1,0 +1,257 @@
+"""The ``rtl`` backend of ``flashnpu sim``: the whole NPU's generated Verilog
+under Verilator (or Icarus) through cocotb, driven like a host would.
+
+::
+
+   run(case) ─► plan_job: DRAM placement + CSR values ─► job .npz + jobs.json (temp dir)
+        │                                                    │ FLASHNPU_NPU_JOBS
+        ▼                                                    ▼
+   build_npu (runner cache, once per configuration)   tb/cocotb_npu.py: reset, TSV self-test
+        │                                             via CSRs, Q/K/V/mask into the DRAM model,
+        └──────────── run_cocotb ───────────────────► program, start, poll status, read O
+                                                      and the counters ─► result .npz
+   run() ◄── o, stats ◄──────────────────────────────────────────────────────┘
+
+DRAM layout chosen by the host side (``plan_job``): every tensor row is
+padded to a multiple of the bus word W (the DMA moves whole words from
+word-aligned rows), Q/O as [heads, seq_q, row], K/V as [kv_heads, seq_kv,
+row], the mask as [mask_heads, kv_tiles, seq_q] rows of one word each (bit t
+of a row = key t of the tile).  The simulation uses ``sim_config(config)``:
+the SRAM shrunk to the NPU's SRAM map (results do not depend on it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from flashnpu.config import NPUConfig
+from flashnpu.golden import numerics as nx
+
+__all__ = ["plan_job", "build_npu", "run_jobs", "run", "O_SENTINEL"]
+
+O_SENTINEL = 0xA5          # byte pattern the host writes over the O region before a job
+DEFAULT_WAVE_CYCLES = 4000     # --waves without --wave-window dumps cycles [0, 4000)
+DEFAULT_WAVE_DEPTH = 2         # --waves without --wave-depth: the top and its children
+
+
+def _rup(n: int, w: int) -> int:
+    return -(-n // w) * w
+
+
+def plan_job(case, config: NPUConfig, base: int = 0x1000, overrides: dict | None = None) -> dict:
+    """Place a case in DRAM and compute the CSR values of its job.
+
+    Returns a dict: ``regs`` (register name -> 32-bit value, in writing
+    order), ``writes`` (list of (byte address, bytes) for the DRAM model),
+    ``o`` (dict base, head_stride, row_stride, heads, seq_q, head_dim) and
+    ``o_extent`` (byte range of the O tensor).  ``overrides`` replaces
+    register values after planning (rejection tests).
+    """
+    from flashnpu.hdl.mem_common import word_bytes
+    W = word_bytes(config)
+    q, k, v = case.q, case.k, case.v
+    heads, seq_q, hd = q.shape
+    kvh, seq_kv, _ = k.shape
+    hd_eff = max(hd, 1)
+    rs = _rup(2 * hd_eff, W)
+    ors = _rup(4 * hd_eff, W)
+    addr = _rup(base, 4096)
+    writes = []
+
+    def place(x, row_bytes):
+        nonlocal addr
+        h, s, d = x.shape
+        buf = np.zeros((h, s, row_bytes), np.uint8)
+        raw = np.ascontiguousarray(x).view(np.uint8).reshape(h, s, -1)
+        buf[:, :, :raw.shape[2]] = raw
+        a = addr
+        writes.append((a, buf.tobytes()))
+        addr = _rup(a + buf.size + 1, 4096)
+        return a, s * row_bytes, row_bytes
+
+    qa, qhs, qrs = place(q, rs)
+    ka, khs, krs = place(k, rs)
+    va, vhs, vrs = place(v, rs)
+    oa = addr
+    ohs, ors_ = seq_q * ors, ors
+    o_bytes = heads * seq_q * ors
+    addr = _rup(oa + o_bytes + 1, 4096)
+    writes.append((oa, bytes([O_SENTINEL]) * o_bytes))
+    n_kv = -(-seq_kv // config.bc)
+    mask_base = mhs = mts = 0
+    mask_en = case.mask is not None
+    if mask_en:
+        mk = np.asarray(case.mask, bool)
+        if mk.ndim == 2:
+            mk = mk[None]
+        mh = mk.shape[0]
+        pad = n_kv * config.bc - seq_kv
+        mk = np.concatenate([mk, np.zeros((mh, seq_q, pad), bool)], axis=2)
+        tiles = mk.reshape(mh, seq_q, n_kv, config.bc).transpose(0, 2, 1, 3)   # [mh, j, sq, bc]
+        bits = np.packbits(tiles, axis=-1, bitorder="little")                   # [mh, j, sq, bc/8]
+        buf = np.zeros((mh, n_kv, seq_q, W), np.uint8)
+        buf[..., :bits.shape[-1]] = bits
+        mask_base = addr
+        writes.append((mask_base, buf.tobytes()))
+        mts = seq_q * W
+        mhs = n_kv * seq_q * W if mh > 1 else 0
+        addr = _rup(mask_base + buf.size + 1, 4096)
+    scale = 1.0 / math.sqrt(hd_eff) if case.scale is None else float(case.scale)
+    c_bits = int(np.float32(nx.scale_log2e(scale)).view(np.uint32))
+    kvl = seq_kv if case.kv_valid_len is None else min(int(case.kv_valid_len), seq_kv)
+    regs = dict(q_base=qa, k_base=ka, v_base=va, o_base=oa, mask_base=mask_base,
+                q_head_stride=qhs, q_row_stride=qrs, k_head_stride=khs, k_row_stride=krs,
+                v_head_stride=vhs, v_row_stride=vrs, o_head_stride=ohs, o_row_stride=ors_,
+                mask_head_stride=mhs, mask_tile_stride=mts,
+                heads=heads | (kvh << 16), seq=seq_q | (seq_kv << 16), head_dim=hd,
+                flags=int(bool(case.causal)) | (int(mask_en) << 1), kv_valid_len=kvl,
+                scale_c=c_bits)
+    for kk, vv in (overrides or {}).items():
+        regs[kk] = int(vv) & 0xFFFFFFFF
+    return dict(regs=regs, writes=writes, end=addr,
+                o=dict(base=oa, head_stride=ohs, row_stride=ors_, heads=heads, seq_q=seq_q, head_dim=hd),
+                o_extent=(oa, oa + o_bytes))
+
+
+def build_npu(config: NPUConfig, sim: str = "verilator", waves=False):
+    """Build (or reuse) the NPU model for ``sim_config(config)``; returns the runner's handle."""
+    from flashnpu.hdl.npu import NPU, NPU_MODULE, npu_verilog, register_map, sim_config
+    from flashnpu.sim import runner
+    scfg = sim_config(config)
+    return runner.build(lambda: NPU(scfg, pe_as_instance=True), scfg, NPU_MODULE, sim=sim,
+                        waves=waves, key="npu",
+                        verilog_text=lambda top: npu_verilog(scfg, top=top),
+                        meta={"regmap": register_map(scfg).to_dict()},
+                        build_args=["--hierarchical"] if sim == "verilator" else None)
+
+
+def _timeout(case, config: NPUConfig) -> int:
+    """A generous cycle limit for one job (4x a serial estimate: every kv tile's
+    load, both MAC phases and every q tile's Q load and O write-back one after
+    another), so a hung job fails in bounded time."""
+    from flashnpu.hdl.mem_common import word_bytes
+    heads, seq_q, hd = case.q.shape
+    W = word_bytes(config)
+    q_tiles = heads * -(-seq_q // config.br)
+    kv_tiles = -(-case.k.shape[1] // config.bc)
+    words = -(-2 * max(hd, 1) // W)
+    per_kv = 2 * config.bc * words + 2 * config.br * config.bc * max(hd, 1) // config.macs_per_cycle + 200
+    per_q = config.br * (3 * words + 4) + 2 * config.dram_latency_cycles
+    return 4 * (q_tiles * (kv_tiles * per_kv + per_q)) + 200_000
+
+
+def _save_case(path, case):
+    d = dict(q=case.q, k=case.k, v=case.v, causal=np.array(bool(case.causal)))
+    if case.mask is not None:
+        d["mask"] = np.asarray(case.mask, bool)
+    if case.kv_valid_len is not None:
+        d["kv_valid_len"] = np.array(int(case.kv_valid_len))
+    if case.scale is not None:
+        d["scale"] = np.array(float(case.scale))
+    np.savez(path, **d)
+
+
+def run_jobs(jobs, config: NPUConfig, sim: str = "verilator", waves=None, seed: int = 0,
+             workdir=None, quiet: bool = True) -> list:
+    """Run several jobs in one cocotb session on one NPU build.
+
+    ``jobs``: list of dicts with ``case`` (AttentionCase) and optional
+    ``overrides`` (register values, e.g. a bad head_dim), ``debug`` (value
+    of the debug register), ``watchdog``, ``timeout`` (cycles).  Returns one
+    dict per job: ``o`` (float32 [heads, seq_q, head_dim]), ``error``
+    (NPUError int), ``dma_code``, ``o_untouched`` (bool: the O region still
+    holds the sentinel), ``counters`` (dict), ``wall_s``, ``build`` info.
+    ``quiet``: cocotb's output goes to ``cocotb.log`` in the work folder
+    (its tail is shown when a run fails).
+    """
+    from flashnpu.sim import runner
+    from flashnpu.sim.waves import WaveOptions
+    wopts = waves if isinstance(waves, WaveOptions) else bool(waves)
+    h = build_npu(config, sim=sim, waves=wopts)
+    tmp = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="flashnpu-npu-"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    specs = []
+    for i, job in enumerate(jobs):
+        cp = tmp / f"job{i}.npz"
+        _save_case(cp, job["case"])
+        specs.append(dict(inputs=str(cp), out=str(tmp / f"res{i}.npz"),
+                          overrides=job.get("overrides", {}), debug=int(job.get("debug", 0)),
+                          watchdog=job.get("watchdog"), timeout=job.get("timeout") or _timeout(job["case"], config),
+                          name=job.get("name", f"job{i}")))
+    jf = tmp / "jobs.json"
+    jf.write_text(json.dumps(specs))
+    log = tmp / "cocotb.log"
+    try:
+        runner.run_cocotb(h, "flashnpu.tb.cocotb_npu", seed=seed, log_file=log if quiet else None,
+                          extra_env={"FLASHNPU_NPU_JOBS": str(jf), "FLASHNPU_SEED": seed})
+    except AssertionError as e:
+        tail = log.read_text()[-3000:] if quiet and log.exists() else ""
+        raise AssertionError(f"{e}\n--- end of {log} ---\n{tail}") from None
+    out = []
+    bj = json.loads((Path(h.build_dir).parent / "build.json").read_text())
+    for s in specs:
+        with np.load(s["out"], allow_pickle=False) as z:
+            r = json.loads(str(z["meta_json"]))
+            r["o"] = z["o"].copy()
+        r["build"] = dict(generate_s=bj.get("generate_s"), build_s=bj.get("build_s"),
+                          verilog_bytes=bj.get("verilog_bytes"))
+        out.append(r)
+    return out
+
+
+def stats_from_counters(cnt: dict, config: NPUConfig, case) -> dict:
+    """The ``flashnpu sim`` statistics of one job from its NPU counters."""
+    cyc = max(1, int(cnt["total_cycles"]))
+    macs = config.macs_per_cycle
+    heads, seq_q, hd = case.q.shape
+    seq_kv = case.k.shape[1]
+    st = dict(cycles=cyc,
+              mac_utilization=int(cnt["mac_busy_cycles"]) / cyc,
+              achieved_flops=2.0 * int(cnt["mac_ops"]) / cyc * config.clock_hz / 1.0,
+              peak_flops=config.peak_flops,
+              useful_flops=4.0 * heads * seq_q * seq_kv * hd / cyc * config.clock_hz,
+              bytes_register=int(cnt["reg_bytes"]), bytes_sram=int(cnt["sram_bytes"]),
+              bytes_tsv=int(cnt["tsv_bytes"]), bytes_dram=int(cnt["dram_bytes"]))
+    # MAC utilization counts MAC-issuing cycles of the whole R x C array
+    st["mac_slot_utilization"] = int(cnt["mac_ops"]) / (cyc * macs)
+    st.update({k: int(v) for k, v in cnt.items()})
+    return st
+
+
+def run(case, config: NPUConfig, args):
+    """``flashnpu sim`` backend entry: (o float32 [heads, seq_q, head_dim], stats)."""
+    waves = None
+    wfile = getattr(args, "waves", None)
+    if wfile:
+        from flashnpu.sim.waves import WaveOptions
+        # defaults: the first DEFAULT_WAVE_CYCLES cycles, the top level and its
+        # children (controller, loader and O writer live in the top module; core
+        # and memory-system ports one level down) -- a full-depth dump of the
+        # 32 x 32 array costs hundreds of KB per cycle
+        start, end = 0, DEFAULT_WAVE_CYCLES
+        win = getattr(args, "wave_window", None)
+        if win:
+            a, _, b = str(win).partition(":")
+            start = float(a) if a else None
+            end = float(b) if b else None
+        depth = getattr(args, "wave_depth", None)
+        waves = WaveOptions(wfile, start=start, end=end, depth=DEFAULT_WAVE_DEPTH if depth is None else depth,
+                            unit="cycle", clock_period_ns=1.0)
+    sim = getattr(args, "sim", "verilator") or "verilator"
+    res = run_jobs([dict(case=case)], config, sim=sim, waves=waves, seed=getattr(args, "seed", 0) or 0)[0]
+    if res["error"]:
+        from flashnpu.hdl.npu import NPUError
+        raise RuntimeError(f"the NPU rejected or aborted the job: {NPUError(res['error']).name}"
+                           f" (dma code {res['dma_code']})")
+    stats = stats_from_counters(res["counters"], config, case)
+    stats["sim_wall_s"] = res["wall_s"]
+    stats["sim_cycles_per_s"] = round(res["counters"]["total_cycles"] / max(res["wall_s"], 1e-9))
+    stats["sram_bytes_sim"] = res["sram_bytes_sim"]
+    if waves is not None:
+        stats["waves"] = waves.describe() if hasattr(waves, "describe") else str(waves.path)
+    return res["o"], stats

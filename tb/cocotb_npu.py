@@ -1,0 +1,171 @@
+"""cocotb host-driver testbench of the whole NPU.
+
+The jobs arrive as a JSON list in the file named by ``FLASHNPU_NPU_JOBS``
+(written by ``flashnpu.sim.rtl_backend.run_jobs``): each names an input
+``.npz`` (the ``flashnpu sim`` file contract), an output ``.npz``, register
+overrides (rejection tests), a debug-register value (fault injection) and
+an optional watchdog limit.  For every job the testbench acts as the host:
+
+1. reset, run both TSV self-tests through ``tsv_ctl`` and check the links;
+2. write Q, K, V (and the mask) into the DRAM storage model, and a sentinel
+   over the O region;
+3. program the descriptor registers, write ``ctrl.start``;
+4. poll ``status`` until ``done`` (timeout in cycles), read ``status`` and
+   the counters; read O back from the DRAM model;
+5. write ``o``, the error code, the counters and whether the O region still
+   holds the sentinel into the output ``.npz``.
+
+The comparisons (bit-exact vs the golden model, nothing written on a
+rejected job) are made by the caller, which owns the expectations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import cocotb
+import numpy as np
+from cocotb.clock import Clock
+from cocotb.triggers import ClockCycles, FallingEdge
+
+from flashnpu.config import NPUConfig
+from flashnpu.hdl.npu import COUNTERS, NPUError, register_map
+from flashnpu.hdl.tsv import LinkStatus
+from flashnpu.sim.case import AttentionCase
+from flashnpu.sim.dram_model import DRAMModel
+from flashnpu.sim.rtl_backend import O_SENTINEL, plan_job
+
+CFG = NPUConfig.from_json(os.environ["FLASHNPU_CONFIG"])
+RMAP = register_map(CFG)
+
+
+class XValueError(ValueError):
+    """A register read returned unknown (X/Z) bits (4-state simulators)."""
+
+
+class Host:
+    """The host side: CSR bus master and DRAM backdoor."""
+
+    def __init__(self, dut, model: DRAMModel):
+        self.dut = dut
+        self.model = model
+
+    async def write(self, name: str, value: int):
+        d = self.dut
+        await FallingEdge(d.clk)
+        d.csr_addr.value = RMAP[name].address
+        d.csr_w_data.value = int(value) & 0xFFFFFFFF
+        d.csr_w_en.value = 1
+        await FallingEdge(d.clk)
+        d.csr_w_en.value = 0
+
+    async def read(self, name: str) -> int:
+        d = self.dut
+        await FallingEdge(d.clk)
+        d.csr_addr.value = RMAP[name].address
+        d.csr_r_en.value = 1
+        await FallingEdge(d.clk)
+        d.csr_r_en.value = 0
+        v = d.csr_r_data.value
+        if not v.is_resolvable:
+            raise XValueError(f"register {name!r} reads {v} (X or Z bits)")
+        return int(v)
+
+    async def read64(self, name: str) -> int:
+        return await self.read(f"cnt_{name}_lo") | (await self.read(f"cnt_{name}_hi") << 32)
+
+
+async def reset(dut):
+    dut.rst.value = 1
+    for n in ("csr_w_en", "csr_r_en", "csr_addr", "csr_w_data"):
+        getattr(dut, n).value = 0
+    await ClockCycles(dut.clk, 3)
+    dut.rst.value = 0
+    await ClockCycles(dut.clk, 1)
+
+
+async def train_links(host: Host):
+    await host.write("tsv_ctl", RMAP["tsv_ctl"].pack(bist_rd=1, bist_wr=1))
+    for _ in range(200):
+        await ClockCycles(host.dut.clk, 50)
+        st = RMAP["tsv_status"].unpack(await host.read("tsv_status"))
+        if st["rd_status"] != LinkStatus.BIST and st["wr_status"] != LinkStatus.BIST:
+            assert st["rd_ok"] and st["wr_ok"], f"TSV self-test failed: {st}"
+            return
+    raise AssertionError("TSV self-test did not finish")
+
+
+async def run_job(dut, spec, seed):
+    with np.load(spec["inputs"], allow_pickle=False) as z:
+        case = AttentionCase(q=z["q"], k=z["k"], v=z["v"], causal=bool(z["causal"]),
+                             mask=z["mask"] if "mask" in z.files else None,
+                             kv_valid_len=int(z["kv_valid_len"]) if "kv_valid_len" in z.files else None,
+                             scale=float(z["scale"]) if "scale" in z.files else None)
+    plan = plan_job(case, CFG, overrides=spec.get("overrides"))
+    model = DRAMModel(CFG, seed=seed)
+    host = Host(dut, model)
+    await reset(dut)
+    server = cocotb.start_soon(model.cocotb_server(dut, dut.clk))
+    t0 = time.time()
+    await train_links(host)
+    for a, b in plan["writes"]:
+        model.write(a, b)
+    for name, val in plan["regs"].items():
+        await host.write(name, val)
+    if spec.get("watchdog") is not None:
+        await host.write("watchdog", int(spec["watchdog"]))
+    await host.write("debug", int(spec.get("debug", 0)))
+    await host.write("irq", 0b11)
+    await host.write("ctrl", 1)
+    timeout = int(spec.get("timeout") or 20_000_000)
+    waited = 0
+    step = 256
+    st = None
+    while waited < timeout:
+        await ClockCycles(dut.clk, step)
+        waited += step
+        st = RMAP["status"].unpack(await host.read("status"))
+        if st["done"]:
+            break
+    else:
+        raise AssertionError(f"job {spec['name']}: no done after {timeout} cycles; status {st}")
+    wall = time.time() - t0
+    cnt = {}
+    for n in COUNTERS:
+        try:
+            cnt[n] = await host.read64(n)
+        except XValueError as e:          # reported, not fatal: O is still checked
+            dut._log.error(f"job {spec['name']}: counter {n}: {e}")
+            cnt[n] = -1
+    irq = await host.read("irq")
+    server.cancel()
+    o = plan["o"]
+    heads, seq_q, hd = o["heads"], o["seq_q"], o["head_dim"]
+    raw = np.frombuffer(model.read(o["base"], heads * o["head_stride"]), np.uint8)
+    rows = raw.reshape(heads, seq_q, o["row_stride"])[:, :, :4 * hd]
+    out = np.ascontiguousarray(rows).view(np.float32).reshape(heads, seq_q, hd)
+    lo, hi = plan["o_extent"]
+    untouched = model.read(lo, hi - lo) == bytes([O_SENTINEL]) * (hi - lo)
+    err = int(st["error"])
+    msg = NPUError(err).name if err in NPUError._value2member_map_ else str(err)
+    dut._log.info(f"job {spec['name']}: status {msg} dma_code {st['dma_code']} irq {irq:#x} "
+                  f"cycles {cnt['total_cycles']} mac_busy {cnt['mac_busy_cycles']} wall {wall:.2f} s")
+    if err:
+        dut._log.info(f"job {spec['name']}: the NPU stopped with {msg}")
+    meta = dict(name=spec["name"], error=err, error_name=msg, dma_code=int(st["dma_code"]),
+                irq=irq, o_untouched=bool(untouched), counters=cnt, wall_s=round(wall, 3),
+                sram_bytes_sim=CFG.sram_bytes)
+    np.savez(spec["out"], o=out, meta_json=np.array(json.dumps(meta)))
+
+
+@cocotb.test()
+async def npu_jobs(dut):
+    """Every job of FLASHNPU_NPU_JOBS, one after another, each from reset."""
+    seed = int(os.environ.get("FLASHNPU_SEED", "0") or 0)
+    cocotb.start_soon(Clock(dut.clk, 1, unit="ns").start())
+    with open(os.environ["FLASHNPU_NPU_JOBS"]) as f:
+        specs = json.load(f)
+    for i, spec in enumerate(specs):
+        await run_job(dut, spec, seed + i)
