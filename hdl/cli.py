@@ -379,8 +379,9 @@ def generate(config: NPUConfig, top: str | None = None, name: str | None = None)
         if hook is not None:
             # the block's own generator (e.g. shared PE module + R x C instances)
             text = hook(config, name=name)
-            if cls is not None and top == "npu":
-                component = _construct(cls, config)
+            if cls is not None and top == "npu" and not callable(getattr(mod, "register_map", None)):
+                component = _construct(cls, config)       # for its register map
+                gc.collect()
         elif shared:
             # PEs (and other repeated blocks) as Instances of modules
             # generated once by the block's ``module_texts(config)``

@@ -648,6 +648,8 @@ def markdown(record: dict) -> str:
                              f"{_fmt(p['memory']['bits'])} | {p['seconds']} |")
             r = g["rest"]
             rest_own = next((v for k, v in owncells.items() if k not in parts), None)
+            if rest_own is None:            # records without own_cells: black boxes are direct children
+                rest_own = r["num_cells"] - sum(inst.values())
             lines.append(f"| rest of `{g['top']}` | 1 | {_fmt(rest_own)} | {_fmt(r['memory']['bits'])} | {r['seconds']} |")
             lines += ["", "| cell type | total |", "| --- | ---: |"]
             for k, val in g["total_cells"].items():

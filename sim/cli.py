@@ -1,14 +1,14 @@
-"""``flashnpu sim``: run one attention job on a backend and check it.
+"""flashnpu sim: run one attention job on a backend and check it.
 
 Backends
 --------
-golden   the bit-exact model (``flashnpu.golden.flash_attention_hw``)
+golden   the bit-exact model (flashnpu.golden.flash_attention_hw)
 rtl      the generated Verilog under Verilator or Icarus through cocotb
-         (``flashnpu.sim.rtl_backend``); its O must equal the golden O bit
+         (flashnpu.sim.rtl_backend); its O must equal the golden O bit
          for bit
 
 Every backend's O is also compared with the float64 reference under the
-tolerance rule of ``flashnpu.golden.tolerance_check``.  Exit status: 0 pass,
+tolerance rule of flashnpu.golden.tolerance_check.  Exit status: 0 pass,
 1 a comparison failed, 2 bad input (nothing written).
 """
 
@@ -67,8 +67,13 @@ def _config(args) -> NPUConfig:
     if (args.rows, args.cols) == (DEFAULT.array_rows, DEFAULT.array_cols):
         return DEFAULT
     try:
-        return NPUConfig(array_rows=args.rows, array_cols=args.cols, br=2 * args.rows,
-                         bc=2 * args.cols, max_head_dim=DEFAULT.max_head_dim)
+        # Br = 2R, Bc = 2C; max_head_dim: the largest multiple of 8 up to the
+        # default that fits the PE register budget of this array size.
+        cfg = NPUConfig(array_rows=args.rows, array_cols=args.cols, br=2 * args.rows,
+                        bc=2 * args.cols, max_head_dim=8)
+        fits = [d for d in range(8, DEFAULT.max_head_dim + 1, 8)
+                if cfg.registers_needed(d) <= cfg.pe_registers]
+        return cfg.replace(max_head_dim=fits[-1])
     except ValueError as e:
         raise UsageError(str(e)) from None
 

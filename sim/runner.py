@@ -34,6 +34,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import time
 import warnings
@@ -135,6 +136,27 @@ def _source_digest() -> str:
 
 
 _SOURCE_DIGEST: str | None = None
+
+# Yosys' ``write_verilog`` makes every ``always @*`` block run once at time 0
+# through a dummy trigger: ``reg \$auto$verilog_backend...$1 = 0;`` read by an
+# empty ``if`` in each block.  That relies on Verilog-2001 semantics, where a
+# declaration initialiser is an assignment at time 0 and so an event.  Under
+# SystemVerilog semantics (``iverilog -g2012``, needed by cocotb) it is not:
+# a combinational block whose inputs keep their power-up values (e.g. a ready
+# decoded from an FSM state that stays in its reset state) never runs and its
+# output stays X.  For Icarus the trigger is declared without initialiser and
+# set by ``initial #0`` instead, after every process has started waiting.
+_YOSYS_TRIGGER = re.compile(r"^(\s*)reg (\\\$auto\$verilog_backend\.cc:\d+:dump_module\$\d+ ) = 0;$",
+                            re.MULTILINE)
+# Part of the build key of Icarus builds: bump when icarus_verilog() changes.
+_ICARUS_TEXT_VERSION = "trigger-initial-1"
+
+
+def icarus_verilog(text: str) -> str:
+    """``text`` with Yosys' ``always @*`` time-0 trigger made an event under
+    ``iverilog -g2012`` (see ``_YOSYS_TRIGGER``); the logic is unchanged."""
+    return _YOSYS_TRIGGER.sub(lambda mo: f"{mo.group(1)}reg {mo.group(2)};\n"
+                                         f"{mo.group(1)}initial #0 {mo.group(2)}= 1'h0;", text)
 
 
 def _get_runner(sim: str, main_cpp: Path | None = None, vvp_format: str | None = None):
@@ -245,7 +267,8 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
         _SOURCE_DIGEST = _source_digest()
     cfg_json = config.to_json() if config is not None else "{}"
     wkey = waves.build_key(sim) if windowed else str(bool(waves))
-    digest = hashlib.sha256("\n".join([cfg_json, key, wkey, _SOURCE_DIGEST,
+    simkey = [_ICARUS_TEXT_VERSION] if sim == "icarus" else []   # Verilator keys unchanged
+    digest = hashlib.sha256("\n".join([cfg_json, key, wkey, _SOURCE_DIGEST, *simkey,
                                        " ".join(build_args or [])]).encode()).hexdigest()[:12]
     bdir = BUILD_ROOT / "sim" / f"{name}-{sim}-{digest}"
     bdir.mkdir(parents=True, exist_ok=True)
@@ -262,6 +285,8 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
                     text = verilog.convert(top, name=name, emit_src=False)
                 else:
                     text = verilog_text(top)
+                if sim == "icarus":
+                    text = icarus_verilog(text)
                 vfile.write_text(text)
                 t1 = time.time()
                 sources = [vfile]

@@ -92,3 +92,14 @@ def test_missing_file_and_console_script(tmp_path):
     r = subprocess.run([sys.executable, "-m", "flashnpu", "sim", "--inputs", str(tmp_path / "nope.npz")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "does not exist" in r.stderr and r.stdout == ""
+
+
+def test_small_array_sizes(capsys):
+    # 4x4: Br = Bc = 8, max_head_dim cut to what 64 registers per PE hold (104)
+    assert main(["sim", "--rows", "4", "--cols", "4", "--heads", "1", "--seq-q", "20",
+                 "--head-dim", "104", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["array"] == "4x4"
+    assert main(["sim", "--rows", "4", "--cols", "4", "--head-dim", "112"]) == 2
+    assert "head_dim=112 is above the hardware maximum 104" in capsys.readouterr().err
+    assert main(["sim", "--rows", "3"]) == 2
+    assert "array_rows must be a power of 2, not 3" in capsys.readouterr().err
