@@ -251,7 +251,9 @@ def energy_of(counters, ops, table: EnergyTable | None = None) -> EnergyBreakdow
     ops : perf_model.OpDetail (or any object with ``fp32_mul``, ``fp32_add``
         and ``operand_bytes``)
         FP32 multiplies and adds/compares/subtracts outside the MACs (ops);
-        operand bytes x PE hops inside the array.
+        operand bytes x PE hops inside the array; ``reg_extra_bytes``
+        (optional): register-file bytes beyond the RTL's ``reg_bytes``
+        counter, added to the register term.
     table : EnergyTable, optional
         Default ``EnergyTable.for_config()``.
 
@@ -267,7 +269,7 @@ def energy_of(counters, ops, table: EnergyTable | None = None) -> EnergyBreakdow
         "mac": c.mac_ops * t.mac_pj,
         "softmax_ops": (ops.fp32_mul * t.fp32_mul_pj + ops.fp32_add * t.cmp_pj
                         + c.exp2_ops * t.exp2_pj + c.recip_ops * t.recip_pj),
-        "register": 8 * c.reg_bytes * t.reg_pj_per_bit,
+        "register": 8 * (c.reg_bytes + getattr(ops, "reg_extra_bytes", 0)) * t.reg_pj_per_bit,
         "operand": 8 * getattr(ops, "operand_bytes", 0) * t.operand_pj_per_bit,
         "sram": sram_bits * t.sram_pj_per_bit,
         "sram_tsv": sram_bits * t.tsv_pj_per_bit if t.sram_crosses_tsv else 0.0,

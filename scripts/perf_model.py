@@ -33,10 +33,10 @@ and ``calibrate_timing`` fits it to the RTL counters.
 
 Design trade-off of the model itself: every pair of one q tile costs the same
 except the last (partial) kv tile, so the model is closed-form per q tile;
-only DMA stalls look at neighbouring pairs (prefetch of the next pair's K/V
-during the current pair).  Nothing is simulated cycle by cycle; the RTL
-validation test (``tb/test_perf_model.py``) is what keeps the formulas
-honest.
+only the K/V waits between pairs walk the kv tiles of a q tile (memoised, so
+a 32k-token sweep still takes seconds).  Nothing is simulated cycle by
+cycle; the RTL validation test (``tb/test_perf_model.py``, every counter
+exact on 8x8 jobs) is what keeps the formulas honest.
 
 Every ASSUMPTION is marked where it is made.  The main ones:
 
@@ -48,8 +48,16 @@ Every ASSUMPTION is marked where it is made.  The main ones:
   (masked keys never touch the result), but their MAC and exp2 slots are
   executed and counted;
 * O is written back as FP32 (the core streams binary32 O);
-* the DMA prefetches the next pair's K/V (and the next q tile's Q) while the
-  current pair computes; only the shortfall stalls the array;
+* the NPU's schedule (``hdl/npu.py``): one q tile at a time; Q, the first
+  K/V tile and the O write-back in series with compute; one DMA engine at
+  one bus word per cycle prefetching K/V into two ping-pong halves; skipped
+  causal tiles but at least one kv tile per q tile.  Two constants of it are
+  fitted on the RTL (``Timing.first_tile_fixed_cycles``,
+  ``Timing.qtile_ctrl_cycles``; exact at 8x8 and 4x4), the K/V waits
+  between pairs come from a walk of the hand-shakes (``_pair_stalls``),
+  within ~1 % of the 32x32 RTL (results/rtl_validation.json);
+* ``reg_bytes`` counts what the RTL counter counts (8 bytes per MAC slot and
+  per exp2); the rest of the register traffic is ``OpDetail.reg_extra_bytes``;
 * byte counters count whole bus words (``sram_bank_bytes``) per tile row;
 * register traffic: 4 bytes per 32-bit register access, one access per
   operand read or result write of each control word.
@@ -67,7 +75,7 @@ import numpy as np
 from flashnpu.config import DEFAULT, NPUConfig
 
 __all__ = ["Job", "Timing", "rtl_program_cycles", "Counters", "OpDetail", "ModelResult", "model", "RTL_COUNTER_FIELDS",
-           "rtl_counters", "rtl_core_counters", "RTLUnavailable", "counters_from_stats", "calibrate_timing", "kv_tile_intensity",
+           "rtl_counters", "rtl_counters_many", "rtl_core_counters", "RTLUnavailable", "counters_from_stats", "calibrate_timing", "kv_tile_intensity",
            "roofs", "useful_flops", "SPILL_LEVELS", "DESIGNS", "compare"]
 
 DESIGNS = ("register", "baseline")
@@ -137,9 +145,12 @@ def rtl_program_cycles(config: NPUConfig, head_dim: int) -> dict | None:
     ``flashnpu.hdl.core`` builds the init, softmax and final programs as
     lists of control words; this walks them the way the core's sequencer
     does: one word per cycle, O-column words beyond ``od = ceil(head_dim/C)``
-    skipped, and a word that waits for a reciprocal stalls until
-    ``Recip.LATENCY`` + 1 cycles after the word that started it (ASSUMPTION:
-    one cycle for the registered control word).
+    skipped, and a word that waits for a return register stalls until it
+    has arrived: a reciprocal ``Recip.LATENCY`` + 1 cycles and a row
+    reduction ``RowReduce.LATENCY`` (log2 C tree levels) + 1 cycles after
+    the word that started it (one cycle for the registered control word;
+    both figures reproduce the RTL's softmax counter exactly at 4x4 and
+    8x8, where the tree wait first costs a cycle).
 
     Returns
     -------
@@ -150,6 +161,8 @@ def rtl_program_cycles(config: NPUConfig, head_dim: int) -> dict | None:
     try:
         from flashnpu.hdl.core import final_program, init_program, softmax_program
         from flashnpu.hdl.fpu import Recip
+        from flashnpu.hdl.pe import TreeOp
+        tree_latency = config.array_cols.bit_length() - 1      # RowReduce.LATENCY = log2(C)
         od = config.o_cols_per_pe(head_dim)
         odm = config.o_cols_per_pe(config.max_head_dim)
 
@@ -162,6 +175,8 @@ def rtl_program_cycles(config: NPUConfig, head_dim: int) -> dict | None:
                     t = max(t, ready[ctl["ret_sel"]])
                 if ctl.get("rcp"):
                     ready[ctl["tag"]] = t + 1 + Recip.LATENCY
+                if ctl.get("tree", TreeOp.NONE) != TreeOp.NONE:
+                    ready[ctl["tag"]] = t + 1 + tree_latency
                 t += 1
                 if w.get("last"):
                     break
@@ -200,6 +215,15 @@ class Timing:
         Cycles per q tile outside the micro-programs and the MAC phases: the
         core passes through WAIT_K for one cycle after INIT even when K is
         there (1, measured on the RTL core; not a stall).
+    first_tile_fixed_cycles : int or None
+        Fixed part of the wait for Q and the first K/V tile of a q tile
+        (None: 2 x DRAM latency + 9 = 209 at the default latency).  Fitted
+        on the RTL NPU (8x8): the core waits after INIT for this plus one
+        cycle per bus word of Q and of the first K and V tiles.
+    qtile_ctrl_cycles : int
+        Cycles per q tile outside the core besides the O write-back words
+        and the O writer's tail (controller set-up, command, descriptor
+        issue/completion, next): 15, fitted on the RTL NPU (8x8).
     readout_bytes_per_cycle : int or None
         O read-out: one FP32 per PE column per cycle (C x 4 bytes), one beat
         per (row, O column) of the PE, Br·od beats + 1 priming cycle.
@@ -225,6 +249,8 @@ class Timing:
     exp2_latency: int = 4
     recip_cycles: int = 27
     qtile_gap_cycles: int = 1
+    first_tile_fixed_cycles: int | None = None
+    qtile_ctrl_cycles: int = 15
     readout_bytes_per_cycle: int | None = None
     overlap_softmax: bool = False
     spill_bytes_per_cycle: int | None = None
@@ -355,11 +381,16 @@ class OpDetail:
         hops: K and V down the R PEs of a column, Q and P along the C PEs of
         a row (ASSUMPTION: a broadcast wire spanning C PEs costs about what C
         pipeline-register hops cost).  No RTL counter; energy only.
+    reg_extra_bytes : register-file bytes the RTL's ``reg_bytes`` counter
+        does not count (it counts only MAC accumulators and exp2 operands):
+        the rest of the softmax program, the P operand of P·V, init, final,
+        read-out and the baseline's S/P drain and reload.  Energy only.
     """
 
     fp32_mul: int = 0
     fp32_add: int = 0
     operand_bytes: int = 0
+    reg_extra_bytes: int = 0
 
 
 @dataclass
@@ -434,6 +465,56 @@ def _mapping(job: Job, config: NPUConfig, stack_decode: bool):
     return job.heads, job.seq_q, False
 
 
+@functools.lru_cache(maxsize=4096)
+def _pair_stalls(n_kv: int, keys: int, bc: int, wq: int, s_cyc: int, sm_cyc: int, pv_cyc: int,
+                 latency: int, dma_frac: float = 1.0) -> int:
+    """Core stall cycles (WAIT_K / WAIT_V) of kv tiles 1 .. n_kv-1 of one q tile.
+
+    A transaction-level walk of the three resources the NPU chains (time 0 =
+    the first S phase starts, kv tile 0 is in the core's K buffer):
+
+    * DMA: tile j (2·nk·wq words, ``dma_frac`` of them fetched) starts
+      after tile j-1 and after the loader released its ping-pong half
+      (tile j-2 fully loaded); a stream that restarts pays the DRAM latency
+      again.  Tiles 0 and 1 stream back to back at the q tile's start.
+    * loader: K_j after V_{j-1}, the DMA's commit of tile j and the core's
+      release of K buffer j%2 (end of S_{j-2}); V_j after K_j and the
+      release of V buffer j%2 (end of P·V_{j-2}); one word per cycle.
+    * core: S_j after P·V_{j-1} and K_j; P·V_j after its softmax and V_j.
+
+    ASSUMPTION: the walk's event rules are read from ``hdl/npu.py`` and
+    ``hdl/dma.py``, not fitted; the RTL at 4x4 and 8x8 never stalls here
+    (compute per pair exceeds a tile's DMA), so only the 32x32 runs test it.
+    """
+    if n_kv <= 1:
+        return 0
+    nks = [min(bc, keys - j * bc) if keys > j * bc else 1 for j in range(n_kv)]
+    dma_end, ld_k_end, ld_v_end, s_end, pv_end = {}, {}, {}, {}, {}
+    dma_end[0] = 0
+    ld_k_end[0] = 0
+    ld_v_end[0] = nks[0] * wq
+    s_end[0] = s_cyc
+    pv_end[0] = max(s_cyc + sm_cyc, ld_v_end[0]) + pv_cyc
+    stall = pv_end[0] - (s_cyc + sm_cyc + pv_cyc)
+    for j in range(1, n_kv):
+        words = int(round(2 * nks[j] * wq * dma_frac))
+        if j == 1:
+            dma_end[1] = dma_end[0] + words
+        else:
+            start = max(dma_end[j - 1], ld_v_end[j - 2])
+            dma_end[j] = start + (latency if start > dma_end[j - 1] else 0) + words
+        k_start = max(ld_v_end[j - 1], dma_end[j], s_end.get(j - 2, -10**9))
+        ld_k_end[j] = k_start + nks[j] * wq
+        v_start = max(ld_k_end[j], pv_end.get(j - 2, -10**9))
+        ld_v_end[j] = v_start + nks[j] * wq
+        s_start = max(pv_end[j - 1], ld_k_end[j])
+        s_end[j] = s_start + s_cyc
+        pv_start = max(s_end[j] + sm_cyc, ld_v_end[j])
+        pv_end[j] = pv_start + pv_cyc
+        stall += (s_start - pv_end[j - 1]) + (pv_start - s_end[j] - sm_cyc)
+    return int(stall)
+
+
 def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
           spill_level: str = "sram", overflow_level: str = "offchip", causal_skip: bool = True,
           stack_decode: bool = True, kv_reuse: bool = False,
@@ -492,14 +573,17 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
         max_pos = np.full(nq, job.seq_q - 1, dtype=np.int64)
     else:
         max_pos = qt * br + valid_rows - 1
-    if job.causal and causal_skip:
-        last_key = max_pos + (job.seq_kv - job.seq_q)
-        n_pairs = np.where(last_key < 0, 0, np.minimum(nkv, last_key // bc + 1))
+    # keys the q tile can see (the controller's kv end): causal limit of its
+    # last row, else seq_kv.  The controller skips the kv tiles after it but
+    # always runs at least one tile (a q tile without a visible key yields
+    # zeros), and the DMA fetches exactly the keys before the end (the last
+    # tile partially), at least one row.
+    if job.causal and causal_skip and not stacked:
+        kv_end = np.clip(max_pos + 1 + (job.seq_kv - job.seq_q), 0, job.seq_kv)
     else:
-        n_pairs = np.full(nq, nkv, dtype=np.int64)
-    # valid keys of the last computed kv tile of each q tile
-    last_valid = np.where(n_pairs == nkv, job.seq_kv - (nkv - 1) * bc, bc)
-    keys_fetched = np.where(n_pairs > 0, (n_pairs - 1) * bc + last_valid, 0)  # keys per q tile
+        kv_end = np.full(nq, job.seq_kv, dtype=np.int64)
+    n_pairs = np.maximum(1, -(-kv_end // bc))
+    keys_fetched = np.maximum(1, kv_end)                                     # keys per q tile
 
     pairs_unit = int(n_pairs.sum())
     pairs = units * pairs_unit
@@ -561,44 +645,38 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     o_dma = valid_rows * rowb(d * FP32)
     dram_unit = int(q_dma.sum() + kv_dma_tile.sum() + o_dma.sum())
 
-    dma_bw = min(config.dram_bytes_per_cycle, config.dram_channels * config.tsv_data_lanes // 8,
-                 config.sram_banks * config.sram_bank_bytes)
-    # DMA stalls (cycles the core waits for a tile buffer).  With two K/V
-    # halves, kv tile j+1 loads during the whole of pair j.  At a q-tile
-    # boundary the next Q loads from its release (after the last S phase)
-    # through softmax, P·V, final, read-out and init; the next first K/V tile
-    # from the start of the last pair; the finished O goes back to DRAM
-    # during the next q tile's first pair.
-    compute_pair = pair_cyc + spill_cyc_pair
-    tail = final_cyc + out_cyc + t.qtile_gap_cycles + init_cyc
-    stall_unit = 0.0          # stalls of one unit, except its last q tile's hand-over
-    last_handover = 0.0       # hand-over from a unit's last q tile to the next unit
-    computed = [i for i in range(nq) if n_pairs[i]]
-    for k, i in enumerate(computed):
-        n = int(n_pairs[i])
-        per_pair = float(kv_dma_tile[i]) / n
-        prev_o = float(o_dma[computed[k - 1]]) if k else float(o_dma[computed[-1]])
-        stall_unit += max(0.0, (per_pair + prev_o) / dma_bw - compute_pair)       # first pair
-        stall_unit += (n - 2) * max(0.0, per_pair / dma_bw - compute_pair) if n > 1 else 0.0
-        j = computed[(k + 1) % len(computed)]
-        nxt_kv = float(kv_dma_tile[j]) / int(n_pairs[j])
-        handover = max(0.0, (q_dma[j] + nxt_kv) / dma_bw - compute_pair - tail,
-                       q_dma[j] / dma_bw - (compute_pair - s_cyc) - tail)
-        if k == len(computed) - 1:
-            last_handover = handover
-        else:
-            stall_unit += handover
-    if computed:
-        f = computed[0]
-        first_bytes = int(q_dma[f]) + int(kv_dma_tile[f] // n_pairs[f]) // 2   # Q and the first K tile
-        start_stall = max(0, config.dram_latency_cycles + -(-first_bytes // dma_bw) - init_cyc)
-        # the first unit's first pair has no O to write back
-        first_o = max(0.0, (float(kv_dma_tile[f]) / n_pairs[f] + float(o_dma[computed[-1]])) / dma_bw
-                      - compute_pair) - max(0.0, float(kv_dma_tile[f]) / n_pairs[f] / dma_bw - compute_pair)
-    else:
-        start_stall, first_o = 0, 0.0
-    dma_stall = int(math.ceil(units * stall_unit + (units - 1) * last_handover - first_o)) + start_stall
-    drain_cycles = -(-int(o_dma[-1]) // dma_bw)  # the last O write-back, after the core is done
+    # --- NPU timing (hdl/npu.py), per q tile -------------------------------------
+    # The controller runs one q tile at a time: Q, then K/V of every kv tile
+    # into alternating ping-pong halves on one DMA engine (one bus word per
+    # cycle), the loader moving each tile from SRAM into the core (one word
+    # per cycle), the core, the O writer and finally one O write-back
+    # descriptor; the next q tile starts after it completes.
+    Wd = W
+    wq = -(-d * FP16 // Wd)                       # words per FP16 row
+    wo = -(-d * FP32 // Wd)                       # words per FP32 O row
+    nk_first = np.minimum(bc, keys_fetched)
+    first_fixed = (t.first_tile_fixed_cycles if t.first_tile_fixed_cycles is not None
+                   else 2 * config.dram_latency_cycles + 9)
+    # core waits (WAIT_K) after INIT until Q and the first K/V tile are in:
+    # fitted on the RTL (8x8, 24 jobs): fixed + one word per Q word and per
+    # word of the first K and V tiles
+    start_stall = np.maximum(0, first_fixed + wq * (valid_rows + 2 * nk_first) - init_cyc)
+    inter_stall = np.array([_pair_stalls(int(n_pairs[i]), int(keys_fetched[i]), bc, wq,
+                                         s_cyc, sm_exposed + spill_cyc_pair, pv_cyc,
+                                         config.dram_latency_cycles,
+                                         float(kv_dma_tile[i]) / max(1, int(keys_fetched[i]) * kv_row))
+                            for i in range(nq)], dtype=np.int64)
+    # O read-out: the O writer takes a row after its od beats and stalls the
+    # core one cycle per valid row (max(od, wo) + 1 cycles per row when the
+    # writer's wo words per row are the slower side); after the core is done
+    # the writer finishes the last row, then the controller writes O back
+    # (one word per cycle, posted) and starts the next q tile.
+    out_bp = valid_rows * (max(od, wo) + 1 - od)
+    o_tail = np.maximum(0, wo - 1 - (br - valid_rows) * od)
+    outside = t.qtile_ctrl_cycles + valid_rows * wo + o_tail
+    dma_stall = units * int((start_stall + inter_stall).sum())
+    drain_cycles = units * int((out_bp + outside).sum())   # outside the core, per q tile
+    job_cycles = job.group + 2                    # DIV (heads / kv_heads) and CHECK
 
     # --- counters ----------------------------------------------------------------
     mac_busy = pairs * (s_cyc + pv_cyc)
@@ -610,7 +688,7 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     softmax_cycles = pairs * sm_cyc
     spill_cycles = pairs * spill_cyc_pair
     total = (mac_busy + pairs * sm_exposed + q_tiles * qtile_cyc + dma_stall + spill_cycles
-             + drain_cycles)
+             + drain_cycles + job_cycles)
 
     # Register-file accesses (4 bytes each), from the core's control words:
     # a MAC slot reads and writes its accumulator; P·V reads the P operand
@@ -628,7 +706,14 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     if design == "baseline":
         # S drained from and reloaded into the registers, P likewise.
         reg_spill = pairs * 4 * br * bc * REG_BYTES
-    reg_bytes = reg_mac + reg_p_operand + reg_softmax + reg_epilogue + reg_spill
+    reg_all = reg_mac + reg_p_operand + reg_softmax + reg_epilogue + reg_spill
+    # The RTL's reg_bytes counter (hdl/npu.py) counts 8 bytes per MAC slot
+    # (accumulator read + write) and 8 per exp2 (S read, P or alpha write)
+    # and nothing else; the counter follows it, and the accesses it leaves
+    # out (softmax program, P operand, init/final/read-out, baseline spill)
+    # go to ``OpDetail.reg_extra_bytes``, which the energy model adds.
+    reg_bytes = 2 * REG_BYTES * (mac_ops + exp2_ops)
+    reg_extra = reg_all - reg_bytes
 
     # SRAM: DMA writes in (Q, K, V), the array reads Q and K/V, the array
     # writes O and the DMA reads it out.
@@ -666,10 +751,13 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
                   spill_bytes=spill_total, dram_q=units * int(q_dma.sum()),
                   dram_kv=units * int(kv_dma_tile.sum()), dram_o=units * int(o_dma.sum()),
                   softmax_phase_cycles=sm_cyc, pair_cycles=pair_cyc, drain_cycles=drain_cycles,
+                  job_cycles=job_cycles, start_stall_cycles=units * int(start_stall.sum()),
+                  pair_stall_cycles=units * int(inter_stall.sum()),
                   qtile_cycles=qtile_cyc, spill_cycles_per_pair=spill_cyc_pair,
                   kv_reused=bool(reuse), stacked_decode=bool(stacked))
     return ModelResult(counters=counters, ops=OpDetail(fp32_mul=int(fp32_mul), fp32_add=int(fp32_add),
-                                                      operand_bytes=int(operand_bytes)),
+                                                      operand_bytes=int(operand_bytes),
+                                                      reg_extra_bytes=int(reg_extra)),
                        job=job, design=design, spill_level=level, q_tiles=q_tiles, kv_tiles=nkv,
                        tile_pairs=pairs, useful_flops=useful_flops(job), bytes_detail=detail,
                        config=config)
@@ -782,6 +870,33 @@ def rtl_counters(job: Job, config: NPUConfig = DEFAULT, sim: str = "verilator", 
                               seed=seed, rows=config.array_rows, cols=config.array_cols)
     _, stats = backend.run(case, config, args)
     return counters_from_stats(stats)
+
+
+def rtl_counters_many(jobs, config: NPUConfig = DEFAULT, sim: str = "verilator", seed: int = 0) -> list:
+    """Run several jobs on the RTL NPU in one simulator session (one build,
+    one cocotb start); returns one dict per job: ``counters`` (Counters),
+    ``error`` (NPUError int) and ``wall_s`` (host seconds of the job).
+
+    Raises
+    ------
+    RTLUnavailable
+        when ``flashnpu.hdl.npu`` or ``flashnpu.sim.rtl_backend`` cannot be imported.
+    """
+    import importlib
+    for mod in ("flashnpu.hdl.npu", "flashnpu.sim.rtl_backend"):
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            raise RTLUnavailable(f"{mod} is not importable yet ({e})") from None
+    from flashnpu.sim.case import random_case
+    from flashnpu.sim.rtl_backend import run_jobs
+    specs = [dict(case=random_case(j.heads, j.kv_heads, j.seq_q, j.seq_kv, j.head_dim, j.causal, seed + i, config),
+                  name=f"val{i}") for i, j in enumerate(jobs)]
+    out = []
+    for r in run_jobs(specs, config, sim=sim, seed=seed):
+        out.append(dict(counters=counters_from_stats(r["counters"]), error=int(r["error"]),
+                        wall_s=float(r["wall_s"]), total_cycles=int(r["counters"]["total_cycles"])))
+    return out
 
 
 def rtl_core_counters(config: NPUConfig, head_dim: int, n_kv: int, seed: int = 0) -> dict:

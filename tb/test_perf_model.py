@@ -53,8 +53,8 @@ def test_causal_skip_counts_tiles_with_a_visible_key(seq_q, seq_kv):
     vis = visible_mask(1, seq_q, seq_kv, True, None, None)[0]
     want = 0
     for q0 in range(0, seq_q, cfg.br):
-        for k0 in range(0, seq_kv, cfg.bc):
-            want += bool(vis[q0:q0 + cfg.br, k0:k0 + cfg.bc].any())
+        tiles = sum(bool(vis[q0:q0 + cfg.br, k0:k0 + cfg.bc].any()) for k0 in range(0, seq_kv, cfg.bc))
+        want += max(1, tiles)       # the controller runs at least one kv tile per q tile
     r = model(job, cfg, stack_decode=False)
     assert r.tile_pairs == 2 * want
     assert r.useful_flops == 4 * 16 * 2 * int(vis.sum())
@@ -74,12 +74,17 @@ def test_phase_cycles_of_one_pair():
     assert c.softmax_cycles == sm
     assert c.mac_ops == c.mac_busy_cycles * 1024
     out = 64 * 4 + 1                                         # Br·od beats + priming
+    wq, wo, od = 128 * 2 // 32, 128 * 4 // 32, 4             # bus words per Q/K/V row, per O row
+    out_bp = 64 * (max(od, wo) + 1 - od)                     # the O writer holds the core per row
+    o_back = t.qtile_ctrl_cycles + 64 * wo + (wo - 1)        # O write-back, controller, writer tail
     assert c.total_cycles == (c.mac_busy_cycles + sm + t.init_cycles(DEFAULT, 128)
                               + t.final_cycles(DEFAULT, 128) + out + t.qtile_gap_cycles + c.dma_stall_cycles
-                              + 64 * 128 * 4 // 256)         # last O write-back
-    # the first Q and K tiles cannot arrive before the DRAM latency
+                              + out_bp + o_back + 3)          # + DIV (group + 1) and CHECK
+    # the core waits after INIT for Q and the first K/V tile: two DRAM latencies
+    # + 9 + one cycle per bus word of Q, K and V
+    assert c.dma_stall_cycles == 2 * 100 + 9 + wq * (64 + 2 * 64) - t.init_cycles(DEFAULT, 128)
     slow = model(Job(1, 64, 64, 128), DEFAULT.replace(dram_latency_cycles=1000), timing=t)
-    assert slow.counters.dma_stall_cycles - c.dma_stall_cycles == 1000 - DEFAULT.dram_latency_cycles
+    assert slow.counters.dma_stall_cycles - c.dma_stall_cycles == 2 * (1000 - DEFAULT.dram_latency_cycles)
     over = model(Job(1, 64, 64, 128), timing=t.replace(softmax_override=7))
     assert over.counters.total_cycles - c.total_cycles == 7 - sm
     formula = Timing(use_rtl_programs=False)
@@ -87,14 +92,15 @@ def test_phase_cycles_of_one_pair():
     assert 20 <= formula.softmax_cycles(DEFAULT, 128) <= 60
 
 
-def test_prefill_utilization_and_bandwidth_starved_stalls():
+def test_prefill_utilization_and_dma_stalls():
     r = model(Job(1, 2048, 2048, 128))
-    assert 0.9 < r.mac_utilization < 1.0
-    # a tenth of the DRAM bandwidth cannot feed 32 KB of K/V per ~1070-cycle pair
-    starved = model(Job(1, 2048, 2048, 128), DEFAULT.replace(dram_channels=1, dram_channel_bytes=16,
-                                                             tsv_data_lanes=128))
-    assert starved.counters.dma_stall_cycles > 10 * r.counters.dma_stall_cycles
-    assert starved.counters.mac_busy_cycles == r.counters.mac_busy_cycles
+    # one DMA engine at one bus word per cycle and q tiles in series: far from
+    # the array's peak (results/npu.md measures 63 % at 512 tokens)
+    assert 0.5 < r.mac_utilization < 0.9
+    assert r.bytes_detail["pair_stall_cycles"] > 0     # 32x32: K/V of a tile take about a pair's compute
+    slow = model(Job(1, 2048, 2048, 128), DEFAULT.replace(dram_latency_cycles=400))
+    assert slow.counters.dma_stall_cycles > r.counters.dma_stall_cycles
+    assert slow.counters.mac_busy_cycles == r.counters.mac_busy_cycles
 
 
 @pytest.mark.parametrize("level", ["sram", "stacked_dram", "offchip"])
@@ -109,7 +115,8 @@ def test_baseline_differs_only_in_s_traffic(config, job, level):
     s_bytes = config.br * -(-config.bc * 4 // W) * W
     p_bytes = config.br * -(-config.bc * 2 // W) * W
     spill = pairs * 2 * (s_bytes + p_bytes)    # S FP32 and P FP16, each written and read once
-    changed = {"total_cycles", "spill_cycles", "reg_bytes",
+    # dma_stall_cycles: the baseline's longer pairs hide more of the K/V DMA
+    changed = {"total_cycles", "spill_cycles", "dma_stall_cycles",
                {"sram": "sram_bytes", "stacked_dram": "dram_bytes", "offchip": "offchip_bytes"}[level]}
     if level == "stacked_dram":
         changed.add("tsv_bytes")
@@ -120,9 +127,13 @@ def test_baseline_differs_only_in_s_traffic(config, job, level):
     assert getattr(b, key) - getattr(reg, key) == spill
     if level == "stacked_dram":
         assert b.tsv_bytes - reg.tsv_bytes == spill
-    # S and P drained from and reloaded into the registers: 4 accesses of 4 bytes
-    assert b.reg_bytes - reg.reg_bytes == pairs * s_tile * 4 * 4
-    assert b.total_cycles - reg.total_cycles == b.spill_cycles > 0
+    # S and P drained from and reloaded into the registers: 4 accesses of 4
+    # bytes, outside the RTL's reg_bytes counter (MAC and exp2 only)
+    assert b.reg_bytes == reg.reg_bytes
+    ro = model(job, config, "register").ops
+    assert base.ops.reg_extra_bytes - ro.reg_extra_bytes == pairs * s_tile * 4 * 4
+    assert b.spill_cycles > 0 and b.dma_stall_cycles <= reg.dma_stall_cycles
+    assert b.total_cycles - reg.total_cycles == b.spill_cycles - (reg.dma_stall_cycles - b.dma_stall_cycles)
     assert reg.spill_cycles == 0 and reg.offchip_bytes == 0
 
 
@@ -189,29 +200,36 @@ def test_calibration_recovers_a_known_softmax_phase():
         calibrate_timing(job, Counters(softmax_cycles=truth.softmax_cycles + 1), SMALL)
 
 
-# Cycle counters may differ by this fraction (ASSUMPTION stated in the report):
-# the model's DMA hand-over between q tiles is approximate. Op and byte
-# counters must agree exactly.
-CYCLE_TOLERANCE = 0.02
+# Every counter, cycles included, must agree exactly on the validation jobs
+# (8x8 NPU).  The cycle terms that were fitted rather than read from the RTL
+# (``Timing.first_tile_fixed_cycles``, ``Timing.qtile_ctrl_cycles``) are
+# fitted on 8x8 jobs; the 32x32 NPU's difference is measured and reported in
+# results/rtl_validation.json, not asserted here.
+CYCLE_TOLERANCE = 0
 
 
 @pytest.mark.rtl
-@pytest.mark.slow
 def test_model_matches_rtl_counters():
+    """~30 s with a cached 8x8 NPU build (one simulator session for every job)."""
+    from flashnpu.scripts.perf_model import rtl_counters_many
+    from flashnpu.sim import runner
+    if not runner.have_simulator("verilator"):
+        pytest.skip("Verilator is not installed")
     cfg = small_config(**bench.VALIDATION_CONFIG)
     try:
-        measured = [(job, rtl_counters(job, cfg)) for job in bench.VALIDATION_JOBS]
+        measured = rtl_counters_many(bench.VALIDATION_JOBS, cfg)
     except RTLUnavailable as e:
         pytest.skip(f"RTL NPU not available yet: {e}")
-    timing = calibrate_timing(measured[0][0], measured[0][1], cfg)
-    for job, rtl in measured:
-        m = model(job, cfg, "register", timing=timing).counters
+    bad = []
+    for job, m in zip(bench.VALIDATION_JOBS, measured):
+        assert m["error"] == 0, f"{job}: the NPU reported error {m['error']}"
+        mod = model(job, cfg, "register").counters
         for f in RTL_COUNTER_FIELDS:
-            a, b = getattr(m, f), getattr(rtl, f)
-            if f.endswith("_cycles"):
-                assert abs(a - b) <= CYCLE_TOLERANCE * max(1, b), f"{job}: {f} model {a} rtl {b}"
-            else:
-                assert a == b, f"{job}: {f} model {a} rtl {b}"
+            a, b = getattr(mod, f), getattr(m["counters"], f)
+            tol = CYCLE_TOLERANCE * max(1, b) if f.endswith("_cycles") else 0
+            if abs(a - b) > tol:
+                bad.append(f"{job}: {f} model {a} rtl {b}")
+    assert not bad, "\n".join(bad)
 
 
 def test_bench_report(tmp_path):
@@ -255,6 +273,7 @@ def test_model_matches_rtl_core_counters():
     c = r.counters
     want = {"cnt_mac": c.mac_busy_cycles, "cnt_softmax": c.softmax_cycles, "cnt_stall": 0,
             "ops_mac": c.mac_ops, "ops_exp2": c.exp2_ops, "ops_recip": c.recip_ops,
-            # the core does not see the DMA: no start stall, no O write-back
-            "cnt_total": c.total_cycles - c.dma_stall_cycles - r.bytes_detail["drain_cycles"]}
+            # the core does not see the NPU around it: no DMA wait, O write-back or controller
+            "cnt_total": (c.total_cycles - c.dma_stall_cycles - r.bytes_detail["drain_cycles"]
+                          - r.bytes_detail["job_cycles"])}
     assert rtl == want
