@@ -49,7 +49,8 @@ venv: $(STAMP)
 
 sim: $(STAMP)
 	$(BIN)/flashnpu sim --backend $(BACKEND) --sim $(SIM) --heads $(HEADS) --kv-heads $(KV_HEADS) \
-	  --seq-q $(SEQ_Q) --seq-kv $(SEQ_KV) --head-dim $(HEAD_DIM) $(CAUSAL_FLAG) --seed $(SEED) $(WAVES_FLAG)
+	  --seq-q $(SEQ_Q) --seq-kv $(SEQ_KV) --head-dim $(HEAD_DIM) $(CAUSAL_FLAG) --seed $(SEED) \
+	  --rows $(ROWS) --cols $(COLS) $(WAVES_FLAG)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(JOBS) -m "not slow" tb
