@@ -292,7 +292,7 @@ class Core(wiring.Component):
         m = Module()
         cfg = self.config
         g = self.regs
-        R, C, Br, Bc = cfg.array_rows, cfg.array_cols, cfg.br, cfg.bc
+        R, C, Bc = cfg.array_rows, cfg.array_cols, cfg.bc
         wr, wc, odm, mhd = g.wr, g.wc, g.od, cfg.max_head_dim
         lanes = 16 * mhd          # tile rows are stored as flat words (lane 0 = bits 0..15)
         wdata = self.wr.payload.data.as_value()

@@ -400,7 +400,6 @@ class DMA(wiring.Component):
         ws_word_addr = ws_addr >> wb
         wr_fire = Signal()
         in_valid = Signal()
-        in_data = Signal(8 * W)
         beat_en = ws_q.r_rdy & ws_loaded & ~ws_done & (cur.code == DMAError.OK)
         with m.If(cur.direction == Direction.DRAM_TO_SRAM):
             m.d.comb += [

@@ -170,7 +170,7 @@ class StackedDRAM(wiring.Component):
         L = self.latency
         D = self.max_outstanding
 
-        want, chan, is_wr, credit_ok = [], [], [], []
+        want, chan, credit_ok = [], [], []
         fifos, outstanding = [], []
         for p, port in enumerate(self.ports):
             f = fifo.SyncFIFO(width=8 * W, depth=D)

@@ -66,7 +66,7 @@ from __future__ import annotations
 import enum
 
 from amaranth import Cat, Const, Module, Mux, Signal, Value
-from amaranth.lib import data, wiring
+from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import ceil_log2, exact_log2
 
@@ -275,7 +275,7 @@ class NPU(wiring.Component):
         mp = self.map
         W = mp["W"]
         wb = exact_log2(W)
-        Br, Bc, R, C = cfg.br, cfg.bc, cfg.array_rows, cfg.array_cols
+        Br, Bc, C = cfg.br, cfg.bc, cfg.array_cols
         mhd = cfg.max_head_dim
         odm = cfg.o_cols_per_pe(mhd)
 

@@ -122,7 +122,6 @@ class StackedSRAM(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         W = self.wbytes
-        P = self.n_ports
         allp = list(self.ports) + [self.bd]
         N = len(allp)
         BD = N - 1

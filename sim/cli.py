@@ -19,7 +19,6 @@ import importlib
 import json
 import time
 
-import numpy as np
 
 from flashnpu.cli import UsageError
 from flashnpu.config import DEFAULT, NPUConfig

@@ -327,7 +327,7 @@ def check_run(job: QTileJob, run: CoreRun, log=print):
     from flashnpu.hdl.pe import RegMap
     cfg = job.config
     g = RegMap(cfg)
-    R, C, wr, wc = cfg.array_rows, cfg.array_cols, g.wr, g.wc
+    C, wr, wc = cfg.array_cols, g.wr, g.wc
     br, bc, hd = cfg.br, cfg.bc, job.head_dim
     od = cfg.o_cols_per_pe(hd)
     r0 = job.q_row0

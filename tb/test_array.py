@@ -4,7 +4,6 @@ every PE after every kv tile and the final O, bit for bit against
 ``flash_attention_hw``; plus the micro-programs, the scoreboard's ability to
 fail, and command rejection."""
 
-import math
 
 import numpy as np
 import pytest

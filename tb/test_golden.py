@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from flashnpu.config import DEFAULT, small_config
+from flashnpu.config import small_config
 from flashnpu.golden import (ComparisonError, assert_bit_exact, error_stats, flash_attention_hw,
                              plain_fp16_attention, reference_attention, tolerance_check)
 from flashnpu.golden import numerics as nx

@@ -40,7 +40,6 @@ def test_random_traffic_three_ports_with_backdoor(seed):
     print(f"seed={seed}")
     P = 3
     dut = StackedSRAM(CFG, n_ports=P)
-    rng = random.Random(seed)
     ports = list(dut.ports) + [dut.bd]
     expect = [[] for _ in ports]
     got = [[] for _ in ports]

@@ -12,8 +12,7 @@ from flashnpu.golden import op_counts, visible_mask
 from flashnpu.scripts import bench
 from flashnpu.scripts.perf_model import (RTL_COUNTER_FIELDS, Counters, Job, RTLUnavailable, Timing,
                                         calibrate_timing, counters_from_stats, kv_tile_intensity,
-                                        model, roofs, rtl_core_counters, rtl_counters,
-                                        rtl_program_cycles)
+                                        model, roofs, rtl_core_counters, rtl_program_cycles)
 
 SMALL = small_config(4, 4)
 

@@ -9,7 +9,6 @@ the values the bench drove.
 """
 
 import json
-import struct
 
 import pytest
 from amaranth import Cat, Module, Signal
@@ -19,7 +18,7 @@ from amaranth.lib.wiring import In, Out
 from flashnpu import cli
 from flashnpu.sim import runner
 from flashnpu.sim.waves import Waves, WaveOptions, fp16, fp32
-from flashnpu.tb.cocotb_waves import CYCLES, f2u, fp_ramp
+from flashnpu.tb.cocotb_waves import f2u, fp_ramp
 
 TOP = "waves_top"
 PERIOD = 10                     # ns; the bench's first rising edge is at time 0
