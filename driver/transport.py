@@ -8,12 +8,13 @@ statistics::
 
      driver                              Transport backend
     ┌──────────────────────────┐  job   ┌──────────────────────────────────┐
-    │ q      f16 [H, Lq, d]    │ ─────► │ golden: flash_attention_hw        │
-    │ k, v   f16 [G, W, d]     │        │         (bit-exact NPU model)     │
-    │ mask   bool [Lq, W]      │        │ rtl:    generated Verilog under   │
-    │ scale, q_offset,         │ ◄───── │         cocotb (plugs in later)   │
-    │ kv_valid_len             │ result └──────────────────────────────────┘
-    └──────────────────────────┘ o f32 [H, Lq, d], cycles, bytes
+    │ q      f16 [H, Lq, d]    │ ─────► │ golden: flash_attention_hw       │
+    │ k, v   f16 [G, W, d]     │        │         (bit-exact NPU model)    │
+    │ mask   bool [Lq, W]      │        │ rtl:    generated Verilog under  │
+    │ scale, q_offset,         │ ◄───── │         (cocotb): one simulator  │
+    │ kv_valid_len             │ result │         run serves every job     │
+    └──────────────────────────┘        └──────────────────────────────────┘
+                     o f32 [H, Lq, d], cycles, bytes
 
 H query heads, G kv heads (query head h reads kv head h // (H / G)), Lq
 query rows, W the slots of the selected KV window (a generate variant's
@@ -28,7 +29,8 @@ clock), a hardware backend reports what its counters measured.
 Adding a backend: subclass ``Transport``, implement ``_run``, and
 ``register_backend("name", factory)``; the CLI lists every registered name.
 A backend that cannot start raises ``BackendUnavailable`` with a message for
-the user.
+the user.  A transport that holds a simulator or a device releases it in
+``close()``; every transport is a context manager that calls it.
 """
 
 from __future__ import annotations
@@ -236,6 +238,16 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Release simulator processes or devices (nothing by default)."""
 
+    def backend_stats(self) -> dict:
+        """Backend-specific figures for the decode statistics (JSON-able; empty by default)."""
+        return {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
 
 class GoldenTransport(Transport):
     """Runs jobs on the bit-exact golden model ``flash_attention_hw``.
@@ -258,36 +270,82 @@ class BackendUnavailable(RuntimeError):
 
 
 class RTLTransport(Transport):
-    """Runs each job on the NPU's generated Verilog (``flashnpu.sim.rtl_backend``):
-    one cocotb session per job on a build cached per configuration.
+    """Runs each job on the NPU's generated Verilog (``flashnpu.sim.rtl_backend``)
+    through its CSR host interface.
+
+    By default one simulator session (``NPUSession``) starts with the first
+    job and serves every later one, so the model loads once per decode; it
+    stops in ``close()`` (or at the end of a ``with`` block, or at interpreter
+    exit).  ``session=False`` starts one cocotb run per job instead (the
+    batch mode of ``flashnpu sim``; same results, seconds of start-up per
+    job).
 
     The job goes in as the driver's mask (``[seq_q, window]``, one mask row per
     query, shared by the heads), so padded and future slots are hidden whatever
     they hold; ``cycles`` are the NPU's ``total_cycles`` counter and ``bytes``
     follow ``job_bytes`` (the RTL's own per-level bytes are in ``last_counters``).
 
+    Parameters
+    ----------
+    config : NPUConfig
+        The NPU to build and simulate (e.g. an 8 x 8 array for a fast run).
+    sim : 'verilator' (default) or 'icarus'
+    session : bool
+        One persistent simulator session (default) or one run per job.
+    job_timeout_s : float
+        Wall-clock seconds one job may take before the session is killed.
+
+    Attributes
+    ----------
+    last_counters : dict, the NPU counters of the last job
+    sim_wall_s : float, seconds the testbench spent in jobs (simulated time)
+    sessions_started : int
+    startup_s : float, seconds spent starting sessions (build check, model
+        load, cocotb start-up)
+
     Raises
     ------
     BackendUnavailable
-        when no Verilator is installed.
+        when the simulator is not installed.
     RuntimeError
-        when the NPU stops a job with an error code.
+        when the NPU stops a job with an error code, or the simulator
+        session dies or does not answer (the message names its log file).
     """
 
     name = "rtl"
 
-    def __init__(self, config: NPUConfig = DEFAULT, sim: str = "verilator", **_):
+    def __init__(self, config: NPUConfig = DEFAULT, sim: str = "verilator", session: bool = True,
+                 job_timeout_s: float = 3600.0, **_):
         super().__init__(config)
         from flashnpu.sim import runner
         if not runner.have_simulator(sim):
             raise BackendUnavailable(f"the rtl backend needs the simulator {sim!r}")
         self.sim = sim
+        self.persistent = bool(session)
+        self.job_timeout_s = job_timeout_s
         self.last_counters: dict = {}
         self.sim_wall_s = 0.0
+        self.sessions_started = 0
+        self.startup_s = 0.0
+        self._session = None
 
     @property
     def has_cycles(self) -> bool:
         return True
+
+    @property
+    def session(self):
+        """The live ``NPUSession`` (started on first use), or None with ``session=False``."""
+        if not self.persistent:
+            return None
+        if self._session is None or not self._session.alive:
+            from flashnpu.sim.rtl_backend import NPUSession
+            if self._session is not None:
+                self._session.close()
+            self._session = NPUSession(self.config, sim=self.sim, job_timeout_s=self.job_timeout_s)
+            self.sessions_started += 1
+            self.startup_s += self._session.startup_s
+        return self._session
 
     def _run(self, job: AttentionJob) -> JobResult:
         from flashnpu.hdl.npu import NPUError
@@ -297,13 +355,30 @@ class RTLTransport(Transport):
         case = AttentionCase(q=np.ascontiguousarray(job.q), k=np.ascontiguousarray(job.k),
                              v=np.ascontiguousarray(job.v), mask=np.asarray(job.mask, bool),
                              scale=float(job.scale))
-        r = run_jobs([dict(case=case, name=f"layer{job.layer}")], self.config, sim=self.sim)[0]
+        spec = dict(case=case, name=f"layer{job.layer}")
+        session = self.session
+        if session is not None:
+            r = session.run(spec)
+        else:
+            r = run_jobs([spec], self.config, sim=self.sim)[0]
         if r["error"]:
             raise RuntimeError(f"the NPU stopped the job of layer {job.layer}: {NPUError(r['error']).name}")
         self.last_counters = r["counters"]
         self.sim_wall_s += r["wall_s"]
         return JobResult(o=r["o"], cycles=int(r["counters"]["total_cycles"]),
                          bytes=job_bytes(job, self.config))
+
+    def close(self) -> None:
+        """Stop the simulator session, if one is running."""
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+
+    def backend_stats(self) -> dict:
+        """``simulator``, ``sim_sessions``, ``sim_startup_seconds`` and
+        ``sim_job_seconds`` (testbench time inside jobs)."""
+        return dict(simulator=self.sim, sim_sessions=self.sessions_started if self.persistent else None,
+                    sim_startup_seconds=round(self.startup_s, 3), sim_job_seconds=round(self.sim_wall_s, 3))
 
 
 _BACKENDS: dict = {"golden": GoldenTransport, "rtl": RTLTransport}

@@ -44,6 +44,17 @@ natural layout (each PE column supplies one lane per cycle); a row-major
 max_head_dim-lane beat would need an od-deep reassembly buffer and a
 run-time lane permutation, and a DMA with a 2-D descriptor (stride od)
 scatters these beats directly.
+
+Register check (simulation-time, no cycle cost): the PEs are SIMD, so one
+written-mask over the register indices covers the whole array.  Every
+control word's register-file reads (``ra``/``rb`` of the ops that use them,
+the P operand and O read-out of the synchronous port) must hit a register
+written since it was last cleared: the whole mask at command accept (a new
+q tile), the per-kv-tile registers (S/P and alpha, ``tile_registers``) at the
+start of every kv tile.  m_i, l_i and O_acc carry across the kv tiles of a q
+tile and are written by the INIT program.  A violation stops the core (back
+to IDLE, no ``done``) and latches ``reg_err`` with the register, phase and
+kv tile; the debug port's reads are not checked.
 """
 
 from __future__ import annotations
@@ -60,9 +71,9 @@ from flashnpu.config import NPUConfig
 from .array import PeArray, module_texts
 from .pe import PeOp, RegMap, TreeOp, _bits, ctl_layout
 
-__all__ = ["BufSel", "Phase", "PausePoint", "cmd_layout", "write_layout", "out_layout",
+__all__ = ["BufSel", "Phase", "PausePoint", "Inject", "cmd_layout", "write_layout", "out_layout",
            "rom_layout", "init_program", "softmax_program", "final_program", "Core",
-           "core_verilog", "CORE_MODULE"]
+           "core_verilog", "CORE_MODULE", "RF_USE", "tile_registers", "register_name"]
 
 CORE_MODULE = "flashnpu_core"
 
@@ -97,6 +108,53 @@ class PausePoint(enum.IntEnum):
     S_RAW = 0     # after the S phase: S registers hold S_raw
     S = 1         # after scaling/masking: S registers hold S (golden ``S``)
     TILE = 2      # after P.V: P, m_i, l_i, alpha, O_acc of the tile
+
+
+class Inject(enum.IntEnum):
+    """Bits of the core's ``inject`` port (test-only faults for the register
+    check; cycle counts stay those of a normal run until the check fires)."""
+    SKIP_INIT = 0      # the INIT program's words issue as NOPs: m_i, l_i, O_acc unwritten
+    DROP_S_WRITE = 1   # kv tile 1's first S step (k = a = b = 0) issues as a NOP: S(0, 0) unwritten
+
+
+#: Register-file use of each opcode: (reads ra, reads rb, writes wa).  MAC is
+#: special: it reads ra unless ``first`` and its write is conditional when
+#: ``skipz`` (so then it does not count as a write).
+RF_USE = {
+    PeOp.NOP: (0, 0, 0), PeOp.MAC: (1, 0, 1), PeOp.SCALE: (1, 0, 1), PeOp.MALPHA: (1, 0, 1),
+    PeOp.PEXP: (1, 0, 1), PeOp.MSET: (0, 0, 1), PeOp.LUPD: (1, 1, 1), PeOp.RESC: (1, 1, 1),
+    PeOp.LOADT: (1, 0, 0), PeOp.FINAL: (1, 1, 1), PeOp.SETZ: (0, 0, 1), PeOp.SETNI: (0, 0, 1),
+}
+
+
+def tile_registers(config: NPUConfig) -> list:
+    """Register indices that live for one kv tile (S/P and alpha): the
+    register check forgets them at the start of every kv tile.  The others
+    (m_i, l_i, O_acc) live for the q tile."""
+    g = RegMap(config)
+    return ([g.S(a, b) for a in range(g.wr) for b in range(g.wc)]
+            + [g.ALPHA(a) for a in range(g.wr)])
+
+
+def register_name(config: NPUConfig, index: int) -> str:
+    """Readable name of PE register ``index`` (e.g. ``"m_i(a=0)"``) for error messages.
+
+    Raises
+    ------
+    ValueError
+        If ``index`` is outside 0..pe_registers-1.
+    """
+    if not 0 <= index < config.pe_registers:
+        raise ValueError(f"register index must be in 0..{config.pe_registers - 1}, not {index!r}")
+    g = RegMap(config)
+    if index < g.o_base:
+        return f"S(a={index // g.wc}, b={index % g.wc})"
+    if index < g.m_base:
+        return f"O_acc(a={(index - g.o_base) // g.od}, n={(index - g.o_base) % g.od})"
+    for name, base in (("m_i", g.m_base), ("l_i", g.l_base), ("alpha", g.alpha_base)):
+        if index < base + g.wr:
+            return f"{name}(a={index - base})"
+    return f"unused({index})"
 
 
 def cmd_layout(config: NPUConfig) -> data.StructLayout:
@@ -265,6 +323,16 @@ class Core(wiring.Component):
     ops_mac, ops_exp2, ops_recip : Out(48)
         MAC slots (R*C per MAC cycle, skipped P.V MACs included), exp2
         evaluations (R*C per PEXP/MALPHA cycle), reciprocals (R per start).
+    inject : In(2)
+        Test-only faults, bits ``Inject`` (0 in normal use).
+    reg_err : Out(1)
+        A PE register was read before it was written (see the module
+        docstring); the core stopped (IDLE, no ``done``, no O beats; the buffers
+        keep their state, so reset it before the next command).  Sticky until
+        the next accepted command.
+    reg_err_addr : Out(log2 regs); reg_err_phase : Out(Phase); reg_err_tile : Out(16)
+        The first such read: register index (``register_name``), the phase
+        and kv tile of the step that read it.
     """
 
     def __init__(self, config: NPUConfig, pe_as_instance: bool = False):
@@ -286,6 +354,8 @@ class Core(wiring.Component):
             "cnt_total": Out(32), "cnt_mac": Out(32), "cnt_softmax": Out(32), "cnt_stall": Out(32),
             "cnt_tile_last": Out(32), "cnt_tile_sum": Out(32),
             "ops_mac": Out(48), "ops_exp2": Out(48), "ops_recip": Out(48),
+            "inject": In(2), "reg_err": Out(1), "reg_err_addr": Out(ab),
+            "reg_err_phase": Out(Phase), "reg_err_tile": Out(16),
         })
 
     def elaborate(self, platform):
@@ -399,6 +469,7 @@ class Core(wiring.Component):
         primed = Signal()
 
         enter_s = Signal()
+        accept = Signal()                      # a q-tile command is taken this cycle
 
         def start_s():
             m.d.comb += enter_s.eq(1)
@@ -457,6 +528,7 @@ class Core(wiring.Component):
                     bad = (p.head_dim == 0) | (p.head_dim > mhd) | (p.n_kv == 0)
                     m.d.sync += self.err.eq(bad)
                     with m.If(~bad):
+                        m.d.comb += accept.eq(1)
                         m.d.sync += [cmd.eq(p), phase.eq(Phase.INIT), pc.eq(base["init"]),
                                      tile.eq(0), kv0.eq(0),
                                      od.eq((p.head_dim + C - 1) >> (C.bit_length() - 1))]
@@ -533,6 +605,13 @@ class Core(wiring.Component):
             with m.Case(Phase.PAUSED):
                 with m.If(self.resume):
                     m.d.sync += [phase.eq(resume_to), pc.eq(resume_pc)]
+
+        # test-only faults for the register check (override the issued word)
+        with m.If(self.inject[Inject.SKIP_INIT] & (phase == Phase.INIT)):
+            m.d.comb += iss.op.eq(PeOp.NOP)
+        with m.If(self.inject[Inject.DROP_S_WRITE] & (phase == Phase.S) & (tile == 1)
+                  & (k == 0) & (a == 0) & (b == 0)):
+            m.d.comb += iss.op.eq(PeOp.NOP)
 
         # ------------------------------------------------------ O read-out
         fire = self.o.valid & self.o.ready
@@ -631,6 +710,51 @@ class Core(wiring.Component):
             for c in range(C):
                 causal_ok = not_causal | (col_jq[c] <= lim)
                 m.d.comb += arr.vis[r * C + c].eq(row_ok & col_ok[c] & causal_ok & mrow[c])
+
+        # ------------------------------------------- register check (simulation)
+        # One written-mask for all PEs (SIMD).  Operand-stage reads (ra, rb of
+        # ``ctl_d``) see the writes of earlier cycles; the synchronous port is
+        # transparent, so its issue-stage read also sees this cycle's write.
+        NR = cfg.pe_registers
+        written = Signal(NR)
+        tile_mask = sum(1 << i for i in tile_registers(cfg))
+        rd_a, rd_b, wr_u = Signal(), Signal(), Signal()
+        with m.Switch(ctl_d.op):
+            for op, (ua, ub, uw) in RF_USE.items():
+                with m.Case(op):
+                    if op == PeOp.MAC:
+                        m.d.comb += [rd_a.eq(~ctl_d.first), wr_u.eq(~ctl_d.skipz)]
+                    else:
+                        m.d.comb += [rd_a.eq(ua), rd_b.eq(ub), wr_u.eq(uw)]
+        wr_now = Signal(NR)
+        m.d.comb += wr_now.eq(Mux(wr_u, _onehot(ctl_d.wa, NR), 0))
+        with m.If(accept):
+            m.d.sync += written.eq(0)
+        with m.Elif(enter_s):
+            m.d.sync += written.eq((written & ~Const(tile_mask, NR)) | wr_now)
+        with m.Else():
+            m.d.sync += written.eq(written | wr_now)
+        phase_d = Signal(Phase)                # phase and kv tile of the word in ``ctl_d``
+        tile_d = Signal(16)
+        m.d.sync += [phase_d.eq(phase), tile_d.eq(tile)]
+        bad_a = rd_a & ~written.bit_select(ctl_d.ra, 1)
+        bad_b = rd_b & ~written.bit_select(ctl_d.rb, 1)
+        bad_s = (use_pv_sa | in_out) & ~(written | wr_now).bit_select(arr.sa, 1)
+        viol = Signal()
+        m.d.comb += viol.eq((phase != Phase.IDLE) & (bad_a | bad_b | bad_s))
+        with m.If(accept):
+            m.d.sync += self.reg_err.eq(0)
+        with m.If(viol):
+            m.d.sync += [self.reg_err.eq(1), phase.eq(Phase.IDLE), self.done.eq(0)]
+            with m.If(bad_a):
+                m.d.sync += [self.reg_err_addr.eq(ctl_d.ra), self.reg_err_phase.eq(phase_d),
+                             self.reg_err_tile.eq(tile_d)]
+            with m.Elif(bad_b):
+                m.d.sync += [self.reg_err_addr.eq(ctl_d.rb), self.reg_err_phase.eq(phase_d),
+                             self.reg_err_tile.eq(tile_d)]
+            with m.Else():
+                m.d.sync += [self.reg_err_addr.eq(arr.sa), self.reg_err_phase.eq(phase),
+                             self.reg_err_tile.eq(tile)]
 
         # ------------------------------------------------------- counters
         counting = (phase != Phase.IDLE) & (phase != Phase.PAUSED)

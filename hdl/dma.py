@@ -478,13 +478,16 @@ class MemorySystem(wiring.Component):
         SRAM ports for consumers (operand feeders), >= 0.
     queue_depth : int
         DMA descriptor queue depth.
+    consumer_lanes : tuple of int, optional
+        Words per request of each consumer port (``StackedSRAM`` ``lanes``;
+        default 1 each): consumer i's port has ``8*W*lanes[i]`` data bits.
     walking_bist : bool
         Include the walking patterns in the TSV self-test.
 
     Ports
     -----
     desc, done, region/ping-pong inputs, counters : as :class:`DMA` (prefixed ``dma_`` for counters)
-    sram_ports[i] : In(SRAMPortSignature); bd : In(SRAMPortSignature)
+    sram_ports[i] : In(SRAMPortSignature) (``consumer_lanes[i]`` words wide); bd : In(SRAMPortSignature)
     bk : Out(DRAMBackendSignature)  — to the Python DRAM model
     tsv_rd, tsv_wr : In(TSVControlSignature)
     sram_rd_bytes, sram_wr_bytes, dram_rd_bytes, dram_wr_bytes : Out(48)
@@ -492,11 +495,15 @@ class MemorySystem(wiring.Component):
     dram_late : Out(1)
     """
 
-    def __init__(self, config, n_consumers: int = 1, queue_depth: int = 4, walking_bist: bool = True):
+    def __init__(self, config, n_consumers: int = 1, queue_depth: int = 4, walking_bist: bool = True,
+                 consumer_lanes=None):
         if not isinstance(n_consumers, int) or n_consumers < 0:
             raise ValueError(f"n_consumers must be a non-negative int, not {n_consumers!r}")
         self.config = config
         self.n_consumers = n_consumers
+        self.consumer_lanes = tuple(consumer_lanes) if consumer_lanes is not None else (1,) * n_consumers
+        if len(self.consumer_lanes) != n_consumers:
+            raise ValueError(f"consumer_lanes must have {n_consumers} entries, not {consumer_lanes!r}")
         self.queue_depth = queue_depth
         self.walking_bist = walking_bist
         self.wbytes = word_bytes(config)
@@ -519,16 +526,22 @@ class MemorySystem(wiring.Component):
             "dram_rd_bytes": Out(48), "dram_wr_bytes": Out(48), "dram_late": Out(1),
             "tsv_rd_words": Out(32), "tsv_wr_words": Out(32),
         }
-        if n_consumers:
+        if n_consumers and all(v == 1 for v in self.consumer_lanes):
             members["sram_ports"] = In(SRAMPortSignature(sab, self.wbytes)).array(n_consumers)
+        elif n_consumers:
+            for i, v in enumerate(self.consumer_lanes):
+                members[f"sram_port{i}"] = In(SRAMPortSignature(sab - exact_log2(v), self.wbytes * v))
         super().__init__(members)
+        if n_consumers and "sram_ports" not in members:
+            self.sram_ports = [getattr(self, f"sram_port{i}") for i in range(n_consumers)]
 
     def elaborate(self, platform):
         m = Module()
         cfg = self.config
         m.submodules.dma = dma = DMA(cfg, queue_depth=self.queue_depth)
         m.submodules.dram = dram = StackedDRAM(cfg, n_ports=1)
-        m.submodules.sram = sram = StackedSRAM(cfg, n_ports=1 + self.n_consumers)
+        m.submodules.sram = sram = StackedSRAM(cfg, n_ports=1 + self.n_consumers,
+                                               lanes=(1,) + self.consumer_lanes)
         m.submodules.tsv_rd = trd = TSVLink.from_config(cfg, walking=self.walking_bist)
         m.submodules.tsv_wr = twr = TSVLink.from_config(cfg, walking=self.walking_bist)
 

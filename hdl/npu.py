@@ -13,32 +13,61 @@ Dataflow
                                           ▼
                                        OWriter ── SRAM port 2 ──► O region ─DMA─► DRAM
 
-SRAM map (bytes, ``sram_map``): the Q tile (Br rows of ``row_bytes``), the
-O tile (Br rows of ``orow_bytes``, FP32) and the DMA's ping-pong window of
-two halves, each [K tile | V tile | mask tile] (Bc, Bc and Br rows).
+SRAM map (bytes, ``sram_map``): two Q regions (Br rows of ``row_bytes``),
+two O regions (Br rows of ``orow_bytes``, FP32), ``KV_SLOTS`` K/V slots,
+each [K tile | V tile | mask tile] (Bc, Bc and Br rows; slots 0 and 1 are
+the DMA's ping-pong halves when K/V stream) and the resident mode's mask
+tiles (two q-tile parities x ``KV_SLOTS``).  ``sim_config`` shrinks the
+simulated SRAM to the next power of two above the map (1 MiB at 32 x 32).
+
+Per q tile t (region t % 2)::
+
+  issuer:  Q_t ─► K_j,V_j (only kv tiles not yet resident) ─► masks ─┐ one q tile
+  DMA:     ─Q_t─K/V(first q tile of a KV head)─ ... ─O_{t-1} chunks─┘ ahead of the core
+  loader:  Q_t (after the core freed Q) ─► K_0 ─► V_0 ─► K_1 ...   2 words / request
+  core:    INIT ─ S_0 SM PV_0 ─ S_1 ... ─ FINAL ─ OUT ─► O writer (C FP32 lanes / request)
+                                                           └─► O_t chunks ─DMA─► DRAM
 
 Design trade-offs
 -----------------
-* **One q tile at a time, K/V prefetched.**  Per q tile the controller
-  queues the Q descriptor, then K, V (and mask) descriptors of kv tiles
-  0..n_kv-1 into alternating ping-pong halves; the DMA itself refuses to
-  overwrite a half before the loader released it, so the controller only
-  keeps ``queue_depth`` descriptors outstanding and the queue stays ahead of
-  the array (tile j+1 streams in while j computes).  The next q tile starts
-  after the O write-back of this one has completed: this serialises
-  ~(DRAM latency + Q load + first K/V tile + O write-back) per q tile, the
-  cost of keeping one Q region and one O region.  A second Q/O region would
-  hide it; measured in ``results/npu.md``.
+* **K/V resident in SRAM.**  When every kv tile of a KV head has a slot
+  (ceil(min(seq_kv, kv_valid_len) / Bc) <= ``KV_SLOTS``), the first q tile
+  that needs kv tile j (of the first query head of the GQA group) DMAs it,
+  whole, into slot j; every later q tile and every other query head of the
+  group has the loader read it straight from SRAM.  At 512 tokens, d = 128
+  that removes 8 x 32 KiB of K/V per q tile from the one-word-per-cycle DMA,
+  which was the bound (304 KiB per q tile against 8 192 MAC cycles).  The
+  slots of a KV head are rewritten for the next KV head only after the
+  loader has finished the previous q tile.  Longer sequences stream K/V
+  through slots 0 and 1 as ping-pong halves for every q tile (the DMA itself
+  refuses to overwrite a half before the loader released it).  The cost:
+  ``KV_SLOTS`` x 36 KiB (K, V and mask tile) of the 4 MiB SRAM at the default
+  configuration (the whole map: 800 KiB).
+* **Two Q and two O regions, one q tile of issue-ahead.**  The controller
+  hands q tile t to the core (its command waits in the core's command slot)
+  and to the loader (one pending q tile) while t-1 computes, and queues its
+  Q (and K/V) descriptors; the loader moves Q_t into the core as soon as the
+  core released Q after its last S phase, so the next q tile starts one
+  cycle after the read-out.  The O write-back of q tile t runs during t+1,
+  in chunks of ``o_chunk`` rows as the O writer finishes them; a region is
+  reused only after the write-back of q tile t-2 completed.  What stays in
+  series: the first q tile's wait for Q and K_0 and the last q tile's O
+  write-back.
 * **Loader between SRAM and the core.**  The core takes one whole FP16 row
-  per beat; SRAM gives one bus word (W bytes) per cycle per port, so the
-  loader assembles ``ceil(2*head_dim/W)`` words into a row and writes it.
-  Only the valid rows of a partial tile are loaded (``last`` on the final
-  one); the other rows keep stale data, which the core masks (case A5).
+  per beat; the loader reads ``loader_lanes`` = 2 bus words per request (a
+  wide SRAM port: two banks at once), so a K+V tile pair (2*Bc*2*d bytes)
+  moves in half the ~2*Bc*d/C cycles the pair computes and the next q tile's
+  Q and K_0 load during the last P.V and the read-out.  Only the valid rows
+  of a partial tile are loaded (``last`` on the final one); the other rows
+  keep stale data, which the core masks (case A5).
 * **O row assembly.**  The core streams O in its natural layout (beat
   (row, n) carries O[row, od*c + n] in lane c); the writer permutes one row
   (od beats) into row-major FP32 in a register (one static permutation per
-  possible od) and writes it word by word to the SRAM O region, so the DMA
-  moves plain rows to DRAM.
+  possible od) and writes it to the SRAM O region ``o_lanes`` words per
+  request (C FP32 lanes, 4 words at 32 x 32): a row's writes take no more
+  cycles than its od beats, so the read-out never waits.  The SRAM grants
+  its wide ports first, the widest first, so the O writer is not throttled
+  by the loader it overtakes.
 * **Skipping masked kv tiles.**  For q rows [q0, q0+nq) the last visible key
   is min(seq_kv, kv_valid_len, causal limit q0+nq-1+seq_kv-seq_q); tiles
   beyond it are neither loaded nor computed (``n_kv`` of the core command;
@@ -55,17 +84,27 @@ Design trade-offs
 Simulation-time checks (status error codes, the job stops):
 ``BUF_OVERWRITE`` a tile-buffer row written into a half the core still
 holds (checked on every loader write; injectable: ``debug.inject_double_q``
-loads the Q tile twice), ``QUEUE_OVERFLOW`` a DMA completion with
+loads each Q tile twice), ``QUEUE_OVERFLOW`` a DMA completion with
 ``QUEUE_FULL`` (injectable: ``debug.no_queue_limit``), ``WATCHDOG`` a DMA
 with descriptors outstanding that makes no progress for ``watchdog`` cycles,
-``DMA`` any other DMA completion error (code in ``status.dma_code``).
+``DMA`` any other DMA completion error (code in ``status.dma_code``),
+``REG_UNWRITTEN`` a PE register read before it was written in its lifetime
+(S/P and alpha: the kv tile; m_i, l_i, O_acc: the q tile, from INIT), checked
+by the core on every control word, first offending read in ``reg_check``
+(injectable: ``debug.inject_skip_init``, ``debug.inject_drop_s_write``).
+
+TSV fault injection (tests): ``tsv_fault_rd`` / ``tsv_fault_wr`` hold stuck-at
+faults on up to 16 consecutive physical lanes of a link (spares included).
+After the host's self-test the repair map covers up to ``tsv_spare_lanes``
+failed data lanes (data still bit-exact, no cycle lost); with more, the link
+is not OK and a started job is rejected with ``LINK_DOWN``.
 """
 
 from __future__ import annotations
 
 import enum
 
-from amaranth import Cat, Const, Module, Mux, Signal, Value
+from amaranth import Array, Cat, Const, Module, Mux, Signal, Value
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import ceil_log2, exact_log2
@@ -78,11 +117,22 @@ from .dma import DMAError, Direction, MemorySystem, descriptor_layout
 from .dram import DRAMBackendSignature
 from .mem_common import addr_bits_for, word_bytes
 
-__all__ = ["NPUError", "Tag", "COUNTERS", "register_map", "sram_map", "sim_config", "NPU",
+__all__ = ["NPUError", "Tag", "COUNTERS", "KV_SLOTS", "register_map", "sram_map", "loader_lanes", "o_lanes",
+           "o_chunk",
+           "sim_config", "NPU",
            "NPU_MODULE", "npu_verilog"]
 
 NPU_MODULE = "flashnpu_npu"
 QUEUE_DEPTH = 4
+#: K/V slots of the SRAM map: a KV head whose kv tiles all fit stays resident
+#: (seq_kv <= KV_SLOTS * Bc); longer ones stream through slots 0 and 1
+KV_SLOTS = 16
+
+
+def o_chunk(config: NPUConfig) -> int:
+    """Rows per O write-back descriptor (Br / 4): the write-back of a q tile
+    starts while the core still streams its later rows."""
+    return max(1, config.br // 4)
 WATCHDOG_DEFAULT = 1 << 20
 
 
@@ -101,20 +151,19 @@ class NPUError(enum.IntEnum):
     WATCHDOG = 10         #: the DMA made no progress for ``watchdog`` cycles
     BUF_OVERWRITE = 11    #: a tile-buffer write into a half the core still holds
     CORE_REJECT = 12      #: the core refused a q-tile command
+    REG_UNWRITTEN = 13    #: a PE register was read before it was written (see ``reg_check``)
 
 
 class CtrlState(enum.IntEnum):
-    """Controller state (``status.state``)."""
+    """Controller (descriptor issuer) state (``status.state``)."""
     IDLE = 0
     DIV = 1          #: group size heads / kv_heads
     CHECK = 2        #: job validation
     SETUP = 3        #: q tile: rows, head
     SETUP2 = 4       #: q tile: addresses, kv tiles to run
-    CMD = 5          #: core command, loader start
-    ISSUE = 6        #: Q, K/V(/mask) descriptors
-    WAIT_CORE = 7    #: core finished, O rows in SRAM
-    ISSUE_O = 8      #: O write-back descriptor
-    DRAIN = 9        #: all completions in
+    CMD = 5          #: wait for the core's command slot and the loader; hand the q tile over
+    ISSUE = 6        #: Q, K/V(/mask) descriptors of the q tile
+    DRAIN = 9        #: last q tile issued: wait for every O write-back
     NEXT = 10        #: advance q tile / head / kv head
     DONE = 11
     FAIL = 12        #: a simulation-time check fired; reset to leave
@@ -153,7 +202,8 @@ class Tag(enum.IntEnum):
     K = 1
     V = 2
     M = 3
-    O = 4
+    O = 4           #: the last (or only) O write-back descriptor of a q tile
+    OP = 5          #: an earlier O write-back chunk (``O_CHUNK`` rows)
 
 
 #: performance counters, 64 bit each (``cnt_<name>_lo`` / ``_hi``), names of
@@ -189,11 +239,26 @@ def register_map(config: NPUConfig) -> RegisterMap:
     rm.add(Register("scale_c", "rw", doc="binary32 bits of numerics.scale_log2e(scale)"))
     rm.add(Register("watchdog", "rw", doc="DMA no-progress limit in cycles", reset=WATCHDOG_DEFAULT))
     rm.add(Register("debug", "rw", [Field("inject_double_q", 1, 0, "load the Q tile twice (tests)"),
-                                    Field("no_queue_limit", 1, 1, "ignore the descriptor credit (tests)")]))
+                                    Field("no_queue_limit", 1, 1, "ignore the descriptor credit (tests)"),
+                                    Field("inject_skip_init", 1, 2,
+                                          "the core's INIT program issues NOPs: m_i, l_i, O_acc unwritten (tests)"),
+                                    Field("inject_drop_s_write", 1, 3,
+                                          "kv tile 1's first S step issues a NOP: S(0, 0) unwritten (tests)")]))
+    rm.add(Register("reg_check", "ro", [Field("reg", 12, 0, "PE register index (core.register_name)"),
+                                        Field("phase", 4, 12, "core Phase of the reading step"),
+                                        Field("tile", 16, 16, "kv tile of the reading step")],
+                    doc="the first PE register read before it was written (error REG_UNWRITTEN)"))
     rm.add(Register("tsv_ctl", "w1p", [Field("bist_rd", 1, 0), Field("bist_wr", 1, 1),
                                        Field("repair_we", 1, 2, "write tsv_repair into a map")]))
     rm.add(Register("tsv_repair", "rw", [Field("idx", 8, 0), Field("lane", 16, 8), Field("valid", 1, 24),
                                          Field("link", 1, 25, "0 = read link, 1 = write link")]))
+    lb = _tsv_lane_bits(config)
+    for link in ("rd", "wr"):
+        rm.add(Register(f"tsv_fault_{link}", "rw",
+                        [Field("lanes", 16, 0, "bit i: physical lane base + i is faulty"),
+                         Field("base", lb, 16, "first physical lane (spare s = tsv_data_lanes + s)"),
+                         Field("stuck", 1, 16 + lb, "value the faulty lanes are stuck at")],
+                        doc=f"test-only stuck-at faults on the TSV {link} link (run its self-test after)"))
     rm.add(Register("tsv_status", "ro", [Field("rd_status", 4, 0), Field("wr_status", 4, 4),
                                          Field("rd_ok", 1, 8), Field("wr_ok", 1, 9)]))
     S = config.tsv_spare_lanes
@@ -208,20 +273,64 @@ def register_map(config: NPUConfig) -> RegisterMap:
     return rm
 
 
+def _tsv_lane_bits(config: NPUConfig) -> int:
+    """Width of a physical TSV lane index (data + spare lanes) in ``tsv_fault_*``."""
+    nl = config.tsv_data_lanes + config.tsv_spare_lanes
+    lb = max(1, (nl - 1).bit_length())
+    if 16 + lb + 1 > 32:
+        raise ValueError(f"tsv_fault_* cannot address {nl} TSV lanes in one register")
+    return lb
+
+
+def loader_lanes(config: NPUConfig) -> int:
+    """Bus words per SRAM request of the tile loader (2: the core takes a
+    K and a V tile, 2*Bc*2*head_dim bytes, per ~2*Bc*head_dim/C cycles,
+    just under one word per cycle at d = 128 on 32 x 32)."""
+    return min(2, config.sram_banks)
+
+
+def o_lanes(config: NPUConfig) -> int:
+    """Bus words per SRAM write of the O writer: C FP32 lanes per core beat
+    (4 words at 32 x 32), rounded up to a power of two, at most the bank count."""
+    need = -(-4 * config.array_cols // word_bytes(config))
+    return min(config.sram_banks, 1 << ceil_log2(max(1, need)))
+
+
 def sram_map(config: NPUConfig) -> dict:
-    """SRAM regions in bytes: ``row_bytes`` (one FP16 tile row), ``orow_bytes``
-    (one FP32 O row), ``q``, ``o``, ``pp`` (window base), ``pp_half``, offsets
-    ``pp_v`` and ``pp_m`` inside a half, and ``end`` (bytes used)."""
+    """SRAM regions in bytes.
+
+    Returns a dict: ``W`` (bus word), ``LW`` / ``OW`` (the loader's / the O
+    writer's request width), ``row_bytes`` (one FP16 tile row), ``orow_bytes``
+    (one FP32 O row), ``mrow_bytes`` (one mask row), ``q`` and ``q_half``
+    (two Q regions at ``q`` and ``q + q_half``), ``o`` and ``o_half`` (two O
+    regions), ``kv`` (``slots`` = ``KV_SLOTS`` K/V slots of ``slot`` bytes,
+    each [K tile | V tile | mask tile] at offsets 0, ``slot_v``, ``slot_m``;
+    slots 0 and 1 are the DMA's ping-pong halves when K/V stream), ``mres``
+    and ``mres_half`` (the resident mode's masks: two q-tile parities x
+    ``slots`` mask tiles), ``pp``/``pp_half``/``pp_v``/``pp_m`` (the
+    ping-pong window, = slots 0 and 1) and ``end`` (bytes used).
+    """
     W = word_bytes(config)
-    rup = lambda n: -(-n // W) * W
-    rowb = rup(2 * config.max_head_dim)
-    orowb = rup(4 * config.max_head_dim)
+    LW = loader_lanes(config) * W
+    OW = o_lanes(config) * W
+    A = max(LW, OW)
+    rup = lambda n, a: -(-n // a) * a
+    rowb = rup(2 * config.max_head_dim, LW)
+    orowb = rup(4 * config.max_head_dim, OW)
+    mrow = LW
     q = 0
-    o = q + config.br * rowb
-    pp = o + config.br * orowb
-    half = 2 * config.bc * rowb + config.br * W
-    return dict(W=W, row_bytes=rowb, orow_bytes=orowb, q=q, o=o, pp=pp, pp_half=half,
-                pp_v=config.bc * rowb, pp_m=2 * config.bc * rowb, end=pp + 2 * half)
+    q_half = rup(config.br * rowb, A)
+    o = 2 * q_half
+    o_half = rup(config.br * orowb, A)
+    kv = o + 2 * o_half
+    slot = rup(2 * config.bc * rowb + config.br * mrow, A)
+    mres = kv + KV_SLOTS * slot
+    mres_half = KV_SLOTS * config.br * mrow
+    return dict(W=W, LW=LW, OW=OW, row_bytes=rowb, orow_bytes=orowb, mrow_bytes=mrow,
+                q=q, q_half=q_half, o=o, o_half=o_half, kv=kv, slot=slot, slots=KV_SLOTS,
+                slot_v=config.bc * rowb, slot_m=2 * config.bc * rowb, mres=mres, mres_half=mres_half,
+                pp=kv, pp_half=slot, pp_v=config.bc * rowb, pp_m=2 * config.bc * rowb,
+                end=mres + 2 * mres_half)
 
 
 def sim_config(config: NPUConfig) -> NPUConfig:
@@ -274,13 +383,13 @@ class NPU(wiring.Component):
         cfg = self.config
         mp = self.map
         W = mp["W"]
-        wb = exact_log2(W)
         Br, Bc, C = cfg.br, cfg.bc, cfg.array_cols
         mhd = cfg.max_head_dim
         odm = cfg.o_cols_per_pe(mhd)
 
         m.submodules.csr = csr = CSRBank(self.regmap)
-        m.submodules.mem = mem = MemorySystem(cfg, n_consumers=2, queue_depth=QUEUE_DEPTH)
+        m.submodules.mem = mem = MemorySystem(cfg, n_consumers=2, queue_depth=QUEUE_DEPTH,
+                                                consumer_lanes=(loader_lanes(cfg), o_lanes(cfg)))
         m.submodules.core = core = Core(cfg, self.pe_as_instance)
         m.d.comb += [csr.addr.eq(self.csr_addr), csr.w_en.eq(self.csr_w_en),
                      csr.w_data.eq(self.csr_w_data), csr.r_en.eq(self.csr_r_en),
@@ -306,15 +415,25 @@ class NPU(wiring.Component):
                     else:
                         words += [Const(0, 15), Const(0, 1)]
                 m.d.comb += csr.port(f"tsv_{name}_map{k}", "status").eq(Cat(*words))
+        # test-only stuck-at faults: ``lanes`` shifted to ``base``, stuck at ``stuck``
+        lb = _tsv_lane_bits(cfg)
+        nl = cfg.tsv_data_lanes + cfg.tsv_spare_lanes
+        for name, link in (("rd", mem.tsv_rd), ("wr", mem.tsv_wr)):
+            fr = reg(f"tsv_fault_{name}")
+            lanes = Signal(nl, name=f"tsv_fault_{name}_lanes")
+            m.d.comb += [lanes.eq(fr[0:16] << fr[16:16 + lb]),
+                         link.fault_stuck0.eq(Mux(fr[16 + lb], 0, lanes)),
+                         link.fault_stuck1.eq(Mux(fr[16 + lb], lanes, 0))]
         m.d.comb += csr.port("tsv_status", "status").eq(
             Cat(_zx(mem.tsv_rd.status, 4), _zx(mem.tsv_wr.status, 4),
                 mem.tsv_rd.ok, mem.tsv_wr.ok))
         link_ok = mem.tsv_rd.ok & mem.tsv_wr.ok
 
         # ------------------------------------------------------------ memory system set-up
+        resident = Signal()                  # job: the kv tiles of a KV head stay in their slots
         m.d.comb += [mem.dram_lo.eq(0), mem.dram_hi.eq(cfg.dram_bytes),
                      mem.sram_lo.eq(0), mem.sram_hi.eq(cfg.sram_bytes),
-                     mem.pp_base.eq(mp["pp"]), mem.pp_half_bytes.eq(mp["pp_half"])]
+                     mem.pp_base.eq(mp["pp"]), mem.pp_half_bytes.eq(Mux(resident, 0, mp["pp_half"]))]
 
         # ------------------------------------------------------------ job registers
         heads = reg("heads")[0:16]
@@ -347,11 +466,14 @@ class NPU(wiring.Component):
         m.d.comb += kvl.eq(Mux(kvl_raw < seq_kv, kvl_raw, seq_kv))
         stacked = Signal()                   # decode mapping: seq_q == 1
         od = Signal(range(odm + 1))
-        wq = Signal(range(2 * mhd // W + 2))      # words per FP16 row
-        wo = Signal(range(4 * mhd // W + 2))      # words per FP32 row
-        m.d.comb += [wq.eq((2 * hd + W - 1) >> wb), wo.eq((4 * hd + W - 1) >> wb)]
+        LW, OW = mp["LW"], mp["OW"]
+        lwb, owb = exact_log2(LW), exact_log2(OW)
+        wql = Signal(range(2 * mhd // LW + 2))     # loader requests per FP16 row
+        wol = Signal(range(4 * mhd // OW + 2))     # O writer requests per FP32 row
+        m.d.comb += [wql.eq((2 * hd + LW - 1) >> lwb), wol.eq((4 * hd + OW - 1) >> owb)]
+        slot_bits = max(1, ceil_log2(KV_SLOTS))
 
-        # loop indices and per-tile values
+        # loop indices and per-tile values (issuer)
         kvh = Signal(16)
         hg = Signal(16)
         q0 = Signal(16)
@@ -368,9 +490,17 @@ class NPU(wiring.Component):
         k_src = Signal(48)
         v_src = Signal(48)
         kv_left = Signal(17)
+        kvo = Signal(17)                     # first key of kv tile j
         j = Signal(16)                       # kv tile being issued
         item = Signal(2)                     # 0 K, 1 V, 2 M within a tile
         q_issued = Signal()
+        t_iss = Signal(32)                   # q tiles handed over so far (this one's index)
+        tb = t_iss[0]                        # its Q / O / resident-mask region
+        kv_loaded = Signal(17)               # resident: kv tiles of this KV head issued
+        new_head = Signal()                  # resident: first K/V of a KV head not yet issued
+        kv_gcnt = Signal(32)                 # K/V tile pairs issued in the job
+        head_base = Signal(32)               # kv_gcnt at this KV head's tile 0
+        m_gcnt = Signal(32)                  # mask tiles issued in the job
 
         # ---------------------------------------------------------- DMA interface
         desc = Signal(descriptor_layout)
@@ -381,20 +511,19 @@ class NPU(wiring.Component):
         m.d.comb += [mem.desc.valid.eq(desc_valid), mem.desc.payload.eq(desc), mem.done.ready.eq(1)]
         m.d.sync += outstanding.eq(outstanding + sub - comp)
         credit = (outstanding < QUEUE_DEPTH) | dbg[1]
-        q_loaded = Signal()
-        o_complete = Signal()
         fail = Signal()
         fail_code = Signal(NPUError)
+        # completions per tag (the DMA completes in submission order)
+        done_cnt = {t: Signal(32, name=f"done_{t.name.lower()}") for t in Tag}
         with m.If(comp):
             with m.If(mem.done.payload.code == DMAError.QUEUE_FULL):
                 m.d.comb += [fail.eq(1), fail_code.eq(NPUError.QUEUE_OVERFLOW)]
             with m.Elif(mem.done.payload.code != DMAError.OK):
                 m.d.comb += [fail.eq(1), fail_code.eq(NPUError.DMA)]
                 m.d.sync += dma_code.eq(mem.done.payload.code)
-            with m.If(mem.done.payload.tag == Tag.Q):
-                m.d.sync += q_loaded.eq(1)
-            with m.If(mem.done.payload.tag == Tag.O):
-                m.d.sync += o_complete.eq(1)
+            for t, c in done_cnt.items():
+                with m.If(mem.done.payload.tag == t):
+                    m.d.sync += c.eq(c + 1)
 
         # watchdog: descriptors outstanding and no beat moved, no completion
         wd = Signal(32)
@@ -423,16 +552,35 @@ class NPU(wiring.Component):
         ccmd = core.cmd.payload
         cmd_valid = Signal()
         m.d.comb += core.cmd.valid.eq(cmd_valid)
+        cur_nkv = Signal(16)                 # n_kv of the q tile the core runs
         with m.If(core.cmd.valid & core.cmd.ready):
-            m.d.sync += cmd_valid.eq(0)
-        core_done = Signal()
-        with m.If(core.done):
-            m.d.sync += core_done.eq(1)
+            m.d.sync += [cmd_valid.eq(0), cur_nkv.eq(ccmd.n_kv)]
 
-        # ---------------------------------------------------------- loader start / status
-        ld_start = Signal()
+        # ---------------------------------------------------------- hand-over to the loader
+        # one q tile's parameters, taken by the loader when it is idle
+        lp_valid = Signal()
+        lp_b = Signal()
+        lp_nq = Signal.like(nq)
+        lp_nkv = Signal(16)
+        lp_end = Signal(17)
+        lp_kbase = Signal(32)
+        lp_mbase = Signal(32)
+        lp_qseq = Signal(32)
         ld_busy = Signal()
-        o_idle = Signal()
+        # O entries (q tile t at t % 4): rows and DRAM destination of its O
+        oe_nq = Array(Signal.like(nq, name=f"oe_nq{i}") for i in range(4))
+        oe_dst = Array(Signal(48, name=f"oe_dst{i}") for i in range(4))
+        oe_str = Array(Signal(32, name=f"oe_str{i}") for i in range(4))
+        ob_t = Signal(32)                    # q tiles whose O beats the core has streamed
+        ow_t = Signal(32)                    # q tiles whose O rows are all in SRAM
+        owb_iss = Signal(32)                 # q tiles whose O write-back is issued
+        ow_row = Signal(range(Br + 1))       # rows of q tile ow_t in SRAM
+        owb_rows = Signal(range(Br + 1))     # rows of q tile owb_iss written back
+        OCH = o_chunk(cfg)
+        o_tile_in = ow_t != owb_iss          # the whole q tile is in SRAM
+        o_chunk_in = ~o_tile_in & (ow_row >= owb_rows + OCH)
+        o_wb_want = Signal()
+        m.d.comb += o_wb_want.eq((o_tile_in | o_chunk_in) & (state != State.IDLE) & (state != State.FAIL))
 
         # ---------------------------------------------------------- validation terms
         lowW = W - 1
@@ -453,6 +601,8 @@ class NPU(wiring.Component):
             ends.append(e)
         n_kv_all = Signal(17)
         m.d.comb += n_kv_all.eq(_div_const(seq_kv + Bc - 1, Bc))
+        n_kv_need = Signal(17)               # kv tiles any q tile of the job can see
+        m.d.comb += n_kv_need.eq(_div_const(kvl + Bc - 1, Bc))
         e_m = Signal(52)
         m.d.comb += e_m.eq(R_["mask_base"] + (heads - 1) * R_["mask_head_stride"]
                            + (n_kv_all - 1) * R_["mask_tile_stride"] + seq_q * W)
@@ -486,7 +636,7 @@ class NPU(wiring.Component):
                          # the FP32 accumulator) and per exp2 (read S, write P)
                          cnt["reg_bytes"].eq(cnt["reg_bytes"] + 8 * (core.ops_mac + core.ops_exp2)),
                          cnt["q_tiles"].eq(cnt["q_tiles"] + 1),
-                         cnt["kv_tiles"].eq(cnt["kv_tiles"] + n_kv)]
+                         cnt["kv_tiles"].eq(cnt["kv_tiles"] + cur_nkv)]
 
         # ---------------------------------------------------------- controller FSM
         with m.Switch(state):
@@ -495,8 +645,11 @@ class NPU(wiring.Component):
                     m.d.sync += [state.eq(State.DIV), err.eq(NPUError.OK), dma_code.eq(0),
                                  done_flag.eq(0), G.eq(0), rem.eq(heads),
                                  snap["sram"].eq(cur_sram), snap["tsv"].eq(cur_tsv),
-                                 snap["dram"].eq(cur_dram)]
+                                 snap["dram"].eq(cur_dram),
+                                 t_iss.eq(0), kv_gcnt.eq(0), m_gcnt.eq(0), ob_t.eq(0), ow_t.eq(0),
+                                 owb_iss.eq(0), lp_valid.eq(0), ow_row.eq(0), owb_rows.eq(0)]
                     m.d.sync += [c.eq(0) for c in cnt.values()]
+                    m.d.sync += [c.eq(0) for c in done_cnt.values()]
             with m.Case(State.DIV):
                 # G = heads / kv_heads by repeated subtraction (heads <= 65535 cycles)
                 with m.If((kv_heads != 0) & (rem >= kv_heads)):
@@ -524,7 +677,9 @@ class NPU(wiring.Component):
                 with m.Else():
                     m.d.sync += [state.eq(State.SETUP), kvh.eq(0), hg.eq(0), q0.eq(0),
                                  stacked.eq(seq_q == 1),
-                                 od.eq((hd + C - 1) >> exact_log2(C))]
+                                 od.eq((hd + C - 1) >> exact_log2(C)),
+                                 resident.eq(n_kv_need <= KV_SLOTS),
+                                 kv_loaded.eq(0), new_head.eq(1), head_base.eq(0)]
             with m.Case(State.SETUP):
                 # tile rows, head
                 with m.If(stacked):
@@ -541,7 +696,7 @@ class NPU(wiring.Component):
                 nk_all = Signal(17)
                 m.d.comb += nk_all.eq(_div_const(e0 + Bc - 1, Bc))
                 m.d.sync += [
-                    kv_end.eq(e0), kv_left.eq(e0), n_kv.eq(Mux(nk_all == 0, 1, nk_all)),
+                    kv_end.eq(e0), kv_left.eq(e0), kvo.eq(0), n_kv.eq(Mux(nk_all == 0, 1, nk_all)),
                     q_src.eq(R_["q_base"] + h * R_["q_head_stride"] + q0 * R_["q_row_stride"]),
                     q_str.eq(Mux(stacked, R_["q_head_stride"], R_["q_row_stride"])),
                     o_dst.eq(R_["o_base"] + h * R_["o_head_stride"] + q0 * R_["o_row_stride"]),
@@ -550,67 +705,95 @@ class NPU(wiring.Component):
                     m_str.eq(Mux(stacked, R_["mask_head_stride"], W)),
                     k_src.eq(R_["k_base"] + kvh * R_["k_head_stride"]),
                     v_src.eq(R_["v_base"] + kvh * R_["v_head_stride"]),
-                    j.eq(0), item.eq(0), q_issued.eq(0), q_loaded.eq(0), o_complete.eq(0),
-                    core_done.eq(0), state.eq(State.CMD),
+                    j.eq(0), item.eq(0), q_issued.eq(0), state.eq(State.CMD),
                 ]
             with m.Case(State.CMD):
-                m.d.sync += [ccmd.head_dim.eq(hd), ccmd.n_kv.eq(n_kv), ccmd.c.eq(reg("scale_c")),
-                             ccmd.causal.eq(causal & ~stacked), ccmd.q_row0.eq(Mux(stacked, 0, q0)),
-                             ccmd.seq_q.eq(Mux(stacked, nq, seq_q)), ccmd.seq_kv.eq(seq_kv),
-                             ccmd.kv_valid_len.eq(kvl), ccmd.mask_en.eq(mask_en), ccmd.pause.eq(0),
-                             cmd_valid.eq(1), state.eq(State.ISSUE)]
-                m.d.comb += ld_start.eq(1)
+                # the core holds at most one pending command, the loader one
+                # pending q tile, and at most 4 q tiles wait for their O write-back
+                with m.If(~cmd_valid & ~lp_valid & (t_iss - owb_iss < 4)):
+                    m.d.sync += [ccmd.head_dim.eq(hd), ccmd.n_kv.eq(n_kv), ccmd.c.eq(reg("scale_c")),
+                                 ccmd.causal.eq(causal & ~stacked), ccmd.q_row0.eq(Mux(stacked, 0, q0)),
+                                 ccmd.seq_q.eq(Mux(stacked, nq, seq_q)), ccmd.seq_kv.eq(seq_kv),
+                                 ccmd.kv_valid_len.eq(kvl), ccmd.mask_en.eq(mask_en), ccmd.pause.eq(0),
+                                 cmd_valid.eq(1), state.eq(State.ISSUE),
+                                 lp_valid.eq(1), lp_b.eq(tb), lp_nq.eq(nq), lp_nkv.eq(n_kv),
+                                 lp_end.eq(kv_end), lp_kbase.eq(head_base), lp_mbase.eq(m_gcnt),
+                                 lp_qseq.eq(t_iss),
+                                 oe_nq[t_iss[:2]].eq(nq), oe_dst[t_iss[:2]].eq(o_dst),
+                                 oe_str[t_iss[:2]].eq(o_str)]
             with m.Case(State.ISSUE):
                 nk = Signal(17)
                 m.d.comb += nk.eq(Mux(kv_left >= Bc, Bc, Mux(kv_left == 0, 1, kv_left)))
+                # resident tiles are loaded whole (up to kv_valid_len): a later q
+                # tile of the head may see more of them than this one
+                nk_res = Signal(17)
+                m.d.comb += nk_res.eq(Mux(kvl - kvo >= Bc, Bc, Mux(kvl <= kvo, 1, kvl - kvo)))
                 half = j[0]
                 hb = mp["pp"] + Mux(half, mp["pp_half"], 0)
-                with m.If(~desc_valid & credit):
+                sb = Signal(32)
+                m.d.comb += sb.eq(Mux(resident, mp["kv"] + j[:slot_bits] * mp["slot"], hb))
+                need_kv = ~resident | (j >= kv_loaded)
+                # a new KV head overwrites the slots only after the loader has
+                # finished the previous q tile (it took this one's parameters)
+                kv_block = resident & new_head & lp_valid
+                with m.If(new_head & ~lp_valid):
+                    m.d.sync += new_head.eq(0)
+
+                def next_j():
+                    m.d.sync += [item.eq(0), j.eq(j + 1), kv_left.eq(kv_left - nk), kvo.eq(kvo + Bc),
+                                 k_src.eq(k_src + Bc * R_["k_row_stride"]),
+                                 v_src.eq(v_src + Bc * R_["v_row_stride"]),
+                                 m_src.eq(m_src + R_["mask_tile_stride"])]
+
+                with m.If(~desc_valid & credit & ~o_wb_want):
                     with m.If(~q_issued):
-                        put_desc(q_src, mp["q"], nq, 2 * hd, q_str, mp["row_bytes"],
-                                 Direction.DRAM_TO_SRAM, Tag.Q)
+                        put_desc(q_src, mp["q"] + Mux(tb, mp["q_half"], 0), nq, 2 * hd, q_str,
+                                 mp["row_bytes"], Direction.DRAM_TO_SRAM, Tag.Q)
                         m.d.sync += q_issued.eq(1)
                     with m.Elif(j == n_kv):
                         pass
                     with m.Elif(item == 0):
-                        put_desc(k_src, hb, nk, 2 * hd, R_["k_row_stride"], mp["row_bytes"],
-                                 Direction.DRAM_TO_SRAM, Tag.K, pp=1, half=half)
-                        m.d.sync += [item.eq(1), k_src.eq(k_src + Bc * R_["k_row_stride"])]
+                        with m.If(~need_kv):
+                            with m.If(mask_en):
+                                m.d.sync += item.eq(2)
+                            with m.Else():
+                                next_j()
+                        with m.Elif(~kv_block):
+                            put_desc(k_src, sb, Mux(resident, nk_res, nk), 2 * hd, R_["k_row_stride"],
+                                     mp["row_bytes"], Direction.DRAM_TO_SRAM, Tag.K, pp=~resident, half=half)
+                            m.d.sync += item.eq(1)
                     with m.Elif(item == 1):
-                        put_desc(v_src, hb + mp["pp_v"], nk, 2 * hd, R_["v_row_stride"], mp["row_bytes"],
-                                 Direction.DRAM_TO_SRAM, Tag.V, pp=1, half=half, commit=~mask_en)
-                        m.d.sync += v_src.eq(v_src + Bc * R_["v_row_stride"])
+                        put_desc(v_src, sb + mp["slot_v"], Mux(resident, nk_res, nk), 2 * hd,
+                                 R_["v_row_stride"], mp["row_bytes"], Direction.DRAM_TO_SRAM, Tag.V,
+                                 pp=~resident, half=half, commit=~resident & ~mask_en)
+                        m.d.sync += [kv_gcnt.eq(kv_gcnt + 1), kv_loaded.eq(j + 1)]
                         with m.If(mask_en):
                             m.d.sync += item.eq(2)
                         with m.Else():
-                            m.d.sync += [item.eq(0), j.eq(j + 1), kv_left.eq(kv_left - nk)]
+                            next_j()
                     with m.Else():
-                        put_desc(m_src, hb + mp["pp_m"], nq, W, m_str, W,
-                                 Direction.DRAM_TO_SRAM, Tag.M, pp=1, half=half, commit=1)
-                        m.d.sync += [item.eq(0), j.eq(j + 1), kv_left.eq(kv_left - nk),
-                                     m_src.eq(m_src + R_["mask_tile_stride"])]
+                        mdst = Signal(32)
+                        m.d.comb += mdst.eq(Mux(resident, mp["mres"] + Mux(tb, mp["mres_half"], 0)
+                                                + j[:slot_bits] * (Br * mp["mrow_bytes"]),
+                                                hb + mp["pp_m"]))
+                        put_desc(m_src, mdst, nq, W, m_str, mp["mrow_bytes"],
+                                 Direction.DRAM_TO_SRAM, Tag.M, pp=~resident, half=half, commit=~resident)
+                        m.d.sync += m_gcnt.eq(m_gcnt + 1)
+                        next_j()
                 with m.If(q_issued & (j == n_kv) & ~desc_valid):
-                    m.d.sync += state.eq(State.WAIT_CORE)
-            with m.Case(State.WAIT_CORE):
-                with m.If(core_done & o_idle & ~ld_busy):
-                    m.d.sync += state.eq(State.ISSUE_O)
-            with m.Case(State.ISSUE_O):
-                with m.If(~desc_valid & credit):
-                    put_desc(mp["o"], o_dst, nq, 4 * hd, mp["orow_bytes"], o_str,
-                             Direction.SRAM_TO_DRAM, Tag.O)
-                    m.d.sync += state.eq(State.DRAIN)
-            with m.Case(State.DRAIN):
-                with m.If(~desc_valid & (outstanding == 0) & o_complete):
                     m.d.sync += state.eq(State.NEXT)
             with m.Case(State.NEXT):
                 # advance (q0, hg, kvh); stacked: hg steps by Br over the group
+                m.d.sync += t_iss.eq(t_iss + 1)
+                new_kvh = Signal()
                 with m.If(stacked):
                     with m.If(hg + Br < G):
                         m.d.sync += [hg.eq(hg + Br), state.eq(State.SETUP)]
                     with m.Elif(kvh + 1 < kv_heads):
                         m.d.sync += [hg.eq(0), kvh.eq(kvh + 1), state.eq(State.SETUP)]
+                        m.d.comb += new_kvh.eq(1)
                     with m.Else():
-                        m.d.sync += state.eq(State.DONE)
+                        m.d.sync += state.eq(State.DRAIN)
                 with m.Else():
                     with m.If(q0 + Br < seq_q):
                         m.d.sync += [q0.eq(q0 + Br), state.eq(State.SETUP)]
@@ -618,16 +801,43 @@ class NPU(wiring.Component):
                         m.d.sync += [q0.eq(0), hg.eq(hg + 1), state.eq(State.SETUP)]
                     with m.Elif(kvh + 1 < kv_heads):
                         m.d.sync += [q0.eq(0), hg.eq(0), kvh.eq(kvh + 1), state.eq(State.SETUP)]
+                        m.d.comb += new_kvh.eq(1)
                     with m.Else():
-                        m.d.sync += state.eq(State.DONE)
+                        m.d.sync += state.eq(State.DRAIN)
+                with m.If(new_kvh):
+                    m.d.sync += [kv_loaded.eq(0), new_head.eq(1), head_base.eq(kv_gcnt)]
+            with m.Case(State.DRAIN):
+                with m.If(~desc_valid & (outstanding == 0) & (done_cnt[Tag.O] == t_iss) & ~lp_valid
+                          & ~ld_busy & ~cmd_valid & ~core.busy):
+                    m.d.sync += state.eq(State.DONE)
             with m.Case(State.DONE):
                 m.d.sync += [state.eq(State.IDLE), done_flag.eq(1)]
                 m.d.comb += irq_set.eq(Cat(Const(1, 1), err != NPUError.OK))
             with m.Case(State.FAIL):
                 # stays here until reset: the datapath may hold a half-done tile
                 pass
+
+        # O write-back: a descriptor per O_CHUNK rows once they are in SRAM,
+        # the rest of the q tile (tag O) once all its rows are; it goes before
+        # the issuer's next descriptor
+        with m.If(o_wb_want & ~desc_valid & credit):
+            oi = owb_iss[:2]
+            put_desc(mp["o"] + Mux(owb_iss[0], mp["o_half"], 0) + owb_rows * mp["orow_bytes"],
+                     oe_dst[oi] + owb_rows * oe_str[oi], Mux(o_tile_in, oe_nq[oi] - owb_rows, OCH),
+                     4 * hd, mp["orow_bytes"], oe_str[oi], Direction.SRAM_TO_DRAM,
+                     Mux(o_tile_in, Tag.O, Tag.OP))
+            with m.If(o_tile_in):
+                m.d.sync += [owb_iss.eq(owb_iss + 1), owb_rows.eq(0)]
+            with m.Else():
+                m.d.sync += owb_rows.eq(owb_rows + OCH)
         with m.If(core.err & (state != State.IDLE)):
             m.d.comb += [fail.eq(1), fail_code.eq(NPUError.CORE_REJECT)]
+        # simulation-time check in the core: a PE register read before it was written
+        m.d.comb += [core.inject.eq(dbg[2:4]),
+                     csr.port("reg_check", "status").eq(
+                         Cat(_zx(core.reg_err_addr, 12), _zx(core.reg_err_phase, 4), core.reg_err_tile))]
+        with m.If(core.reg_err & (state != State.IDLE)):
+            m.d.comb += [fail.eq(1), fail_code.eq(NPUError.REG_UNWRITTEN)]
         ld_fail = Signal()
         with m.If(ld_fail):
             m.d.comb += [fail.eq(1), fail_code.eq(NPUError.BUF_OVERWRITE)]
@@ -636,13 +846,20 @@ class NPU(wiring.Component):
             m.d.comb += irq_set.eq(0b11)
 
         # ---------------------------------------------------------- tile loader
+        # SRAM port 1, ``LW`` bytes (loader_lanes words) per request
         sp = mem.sram_ports[0]
-        nslot = max(1, -(-2 * mhd // W))
-        row_reg = Signal(nslot * 8 * W)
+        nslot = max(1, -(-2 * mhd // LW))
+        row_reg = Signal(nslot * 8 * LW)
         L = LoaderState
         ls = Signal(L)
         lj = Signal(16)
         lhalf = lj[0]
+        l_b = Signal()
+        l_nq = Signal.like(nq)
+        l_nkv = Signal(16)
+        l_kbase = Signal(32)
+        l_mbase = Signal(32)
+        l_qseq = Signal(32)
         seg_sel = Signal(BufSel)
         seg_rows = Signal(range(max(Br, Bc) + 1))
         seg_wpr = Signal(range(nslot + 1))
@@ -664,26 +881,38 @@ class NPU(wiring.Component):
         m.d.comb += ld_busy.eq(ls != L.IDLE)
 
         def seg(sel, base, rows, wpr, rstride):
+            a = base // LW if isinstance(base, int) else base >> lwb
             m.d.sync += [seg_sel.eq(sel), seg_rows.eq(rows), seg_wpr.eq(wpr), seg_rstride.eq(rstride),
-                         rq_row.eq(0), rq_w.eq(0), rq_addr.eq(base // W if isinstance(base, int) else base >> wb),
-                         rq_rowaddr.eq(base // W if isinstance(base, int) else base >> wb),
+                         rq_row.eq(0), rq_w.eq(0), rq_addr.eq(a), rq_rowaddr.eq(a),
                          rq_on.eq(1), rs_row.eq(0), rs_w.eq(0), seg_on.eq(1)]
 
-        rowW = mp["row_bytes"] // W
-        hbase = mp["pp"] + Mux(lhalf, mp["pp_half"], 0)
+        rowW = mp["row_bytes"] // LW
+        lslot = Signal(32)                   # K/V source of kv tile lj: its slot or ping-pong half
+        m.d.comb += lslot.eq(Mux(resident, mp["kv"] + lj[:slot_bits] * mp["slot"],
+                                 mp["pp"] + Mux(lhalf, mp["pp_half"], 0)))
+        lmask = Signal(32)
+        m.d.comb += lmask.eq(Mux(resident, mp["mres"] + Mux(l_b, mp["mres_half"], 0)
+                                 + lj[:slot_bits] * (Br * mp["mrow_bytes"]), lslot + mp["pp_m"]))
         kfree = ~core.full.bit_select(Mux(lhalf, BufSel.K1, BufSel.K0), 1)
         vfree = ~core.full.bit_select(Mux(lhalf, BufSel.V1, BufSel.V0), 1)
         mfree = ~core.full[BufSel.MASK]
+        # K_j / V_j / mask_j in SRAM: resident, the DMA completed them (in
+        # issue order); streaming, the DMA committed the ping-pong half
+        k_in = Mux(resident, done_cnt[Tag.K] > l_kbase + lj, mem.pp_full.bit_select(lhalf, 1))
+        v_in = Mux(resident, done_cnt[Tag.V] > l_kbase + lj, 1)
+        m_in = Mux(resident, done_cnt[Tag.M] > l_mbase + lj, 1)
         pp_rel = Signal(2)
         m.d.comb += mem.pp_release.eq(pp_rel)
         with m.Switch(ls):
             with m.Case(L.IDLE):
-                with m.If(ld_start):
-                    m.d.sync += [ls.eq(L.WQ), lj.eq(0), twice.eq(dbg[0])]
+                with m.If(lp_valid & running):
+                    m.d.sync += [ls.eq(L.WQ), lj.eq(0), twice.eq(dbg[0]), lp_valid.eq(0),
+                                 l_b.eq(lp_b), l_nq.eq(lp_nq), l_nkv.eq(lp_nkv), ld_left.eq(lp_end),
+                                 l_kbase.eq(lp_kbase), l_mbase.eq(lp_mbase), l_qseq.eq(lp_qseq)]
             with m.Case(L.WQ):
-                with m.If(q_loaded & (~core.full[BufSel.Q] | redo) & ~seg_on):
-                    seg(BufSel.Q, mp["q"], nq, wq, rowW)
-                    m.d.sync += [ls.eq(L.Q), ld_left.eq(kv_end), redo.eq(0)]
+                with m.If((done_cnt[Tag.Q] > l_qseq) & (~core.full[BufSel.Q] | redo) & ~seg_on):
+                    seg(BufSel.Q, mp["q"] + Mux(l_b, mp["q_half"], 0), l_nq, wql, rowW)
+                    m.d.sync += [ls.eq(L.Q), redo.eq(0)]
             with m.Case(L.Q):
                 with m.If(seg_done):
                     with m.If(twice):        # injected fault: load the Q tile again
@@ -691,31 +920,31 @@ class NPU(wiring.Component):
                     with m.Else():
                         m.d.sync += ls.eq(L.WK)
             with m.Case(L.WK):
-                with m.If(mem.pp_full.bit_select(lhalf, 1) & kfree & ~seg_on):
-                    seg(Mux(lhalf, BufSel.K1, BufSel.K0), hbase, ld_nk, wq, rowW)
+                with m.If(k_in & kfree & ~seg_on):
+                    seg(Mux(lhalf, BufSel.K1, BufSel.K0), lslot, ld_nk, wql, rowW)
                     m.d.sync += ls.eq(L.K)
             with m.Case(L.K):
                 with m.If(seg_done):
                     m.d.sync += ls.eq(L.WV)
             with m.Case(L.WV):
-                with m.If(vfree & ~seg_on):
-                    seg(Mux(lhalf, BufSel.V1, BufSel.V0), hbase + mp["pp_v"], ld_nk, wq, rowW)
+                with m.If(v_in & vfree & ~seg_on):
+                    seg(Mux(lhalf, BufSel.V1, BufSel.V0), lslot + mp["slot_v"], ld_nk, wql, rowW)
                     m.d.sync += ls.eq(L.V)
             with m.Case(L.V):
                 with m.If(seg_done):
                     m.d.sync += ls.eq(Mux(mask_en, L.WM, L.REL))
             with m.Case(L.WM):
-                with m.If(mfree & ~seg_on):
-                    seg(BufSel.MASK, hbase + mp["pp_m"], nq, 1, 1)
+                with m.If(m_in & mfree & ~seg_on):
+                    seg(BufSel.MASK, lmask, l_nq, 1, 1)
                     m.d.sync += ls.eq(L.M)
             with m.Case(L.M):
                 with m.If(seg_done):
                     m.d.sync += ls.eq(L.REL)
             with m.Case(L.REL):
                 with m.If(~seg_on):       # the last row write has gone out
-                    m.d.comb += pp_rel.eq(Mux(lhalf, 0b10, 0b01))
+                    m.d.comb += pp_rel.eq(Mux(resident, 0, Mux(lhalf, 0b10, 0b01)))
                     m.d.sync += [lj.eq(lj + 1), ld_left.eq(ld_left - ld_nk)]
-                    with m.If(lj + 1 == n_kv):
+                    with m.If(lj + 1 == l_nkv):
                         m.d.sync += ls.eq(L.IDLE)
                     with m.Else():
                         m.d.sync += ls.eq(L.WK)
@@ -740,7 +969,7 @@ class NPU(wiring.Component):
         with m.If(sp.rdata.valid & seg_on):
             for s in range(nslot):
                 with m.If(rs_w == s):
-                    m.d.sync += row_reg[s * 8 * W:(s + 1) * 8 * W].eq(sp.rdata.payload)
+                    m.d.sync += row_reg[s * 8 * LW:(s + 1) * 8 * LW].eq(sp.rdata.payload)
             with m.If(rs_w + 1 == seg_wpr):
                 last_row = rs_row + 1 == seg_rows
                 m.d.sync += [rs_w.eq(0), rs_row.eq(rs_row + 1), wr_valid.eq(1), wr_row.eq(rs_row),
@@ -759,18 +988,46 @@ class NPU(wiring.Component):
         m.d.comb += ld_fail.eq(wr_valid & core.full.bit_select(wr_sel, 1))
 
         # ---------------------------------------------------------- O writer
+        # SRAM port 2, ``OW`` bytes (o_lanes words) per write: one row of
+        # ``wol`` writes per od core beats, so the read-out runs at full rate
         op = mem.sram_ports[1]
         asm = Signal(32 * mhd)
         asm_full = Signal()
         asm_row = Signal(range(Br))
-        owords = max(1, -(-4 * mhd // W))
-        wbuf = Signal(owords * 8 * W)
+        asm_last = Signal()                  # the q tile's last valid row
+        asm_reg = Signal()                   # its O region
+        owords = max(1, -(-4 * mhd // OW))
+        wbuf = Signal(owords * 8 * OW)
         w_on = Signal()
-        w_row = Signal(range(Br))
         w_word = Signal(range(owords + 1))
         w_addr = Signal(32)
+        w_last = Signal()
         beat = core.o.payload
-        m.d.comb += core.o.ready.eq(~asm_full)
+        ob_nq = oe_nq[ob_t[:2]]
+        # O region ob_t % 2 is free once the write-back of q tile ob_t - 2 completed
+        o_free = ob_t - done_cnt[Tag.O] < 2
+        tail = Signal(range(OW + 1))
+        m.d.comb += tail.eq((4 * hd) & (OW - 1))
+        last_word = w_word + 1 == wol
+        w_fire = op.req.valid & op.req.ready
+        w_free = ~w_on | (w_fire & last_word)
+        m.d.comb += [op.req.valid.eq(w_on), op.req.payload.addr.eq(w_addr + w_word),
+                     op.req.payload.write.eq(1),
+                     op.req.payload.wdata.eq(wbuf.word_select(w_word, 8 * OW)),
+                     op.req.payload.wmask.eq(Mux(last_word & (tail != 0),
+                                                 (Const(1, OW + 1) << tail) - 1, (1 << OW) - 1)),
+                     op.rdata.ready.eq(1)]
+        with m.If(w_fire):
+            m.d.sync += w_word.eq(w_word + 1)
+            with m.If(last_word):
+                m.d.sync += [w_on.eq(0), ow_row.eq(ow_row + 1)]
+                with m.If(w_last):
+                    m.d.sync += [ow_t.eq(ow_t + 1), ow_row.eq(0)]
+        with m.If(asm_full & w_free):
+            m.d.sync += [wbuf.eq(asm), w_on.eq(1), w_word.eq(0), w_last.eq(asm_last), asm_full.eq(0),
+                         w_addr.eq(((mp["o"] + Mux(asm_reg, mp["o_half"], 0)) >> owb)
+                                   + asm_row * (mp["orow_bytes"] // OW))]
+        m.d.comb += core.o.ready.eq((~asm_full | w_free) & o_free)
         with m.If(core.o.valid & core.o.ready):
             with m.Switch(od):
                 for v in range(1, odm + 1):
@@ -778,25 +1035,12 @@ class NPU(wiring.Component):
                         for e in range(min(mhd, v * C)):
                             with m.If(beat.n == e % v):
                                 m.d.sync += asm[32 * e:32 * (e + 1)].eq(beat.data[e // v])
-            with m.If((beat.n == od - 1) & (beat.row < nq)):
-                m.d.sync += [asm_full.eq(1), asm_row.eq(beat.row)]
-        with m.If(asm_full & ~w_on):
-            m.d.sync += [wbuf.eq(asm), w_on.eq(1), w_row.eq(asm_row), w_word.eq(0), asm_full.eq(0),
-                         w_addr.eq((mp["o"] >> wb) + asm_row * (mp["orow_bytes"] // W))]
-        tail = Signal(range(W + 1))
-        m.d.comb += tail.eq((4 * hd) & (W - 1))
-        last_word = w_word + 1 == wo
-        m.d.comb += [op.req.valid.eq(w_on), op.req.payload.addr.eq(w_addr + w_word),
-                     op.req.payload.write.eq(1),
-                     op.req.payload.wdata.eq(wbuf.word_select(w_word, 8 * W)),
-                     op.req.payload.wmask.eq(Mux(last_word & (tail != 0),
-                                                 (Const(1, W + 1) << tail) - 1, (1 << W) - 1)),
-                     op.rdata.ready.eq(1)]
-        with m.If(op.req.valid & op.req.ready):
-            m.d.sync += w_word.eq(w_word + 1)
-            with m.If(last_word):
-                m.d.sync += w_on.eq(0)
-        m.d.comb += o_idle.eq(~asm_full & ~w_on)
+            with m.If(beat.n == od - 1):
+                with m.If(beat.row < ob_nq):
+                    m.d.sync += [asm_full.eq(1), asm_row.eq(beat.row), asm_last.eq(beat.row == ob_nq - 1),
+                                 asm_reg.eq(ob_t[0])]
+                with m.If(beat.row == Br - 1):
+                    m.d.sync += ob_t.eq(ob_t + 1)
         return m
 
 

@@ -17,6 +17,17 @@ Dataflow (P ports + the backdoor, B banks)::
     req[1] ─┼─ bank select ─ RR arbiter per bank ─ ...            ─┼─ read mux ─ out FIFO[p] ─ rdata[p]
     bd_req ─┘  (word % B)      (bd_req lowest)  └─ bank B-1        ─┘  (1-cycle read)
 
+Wide ports (``lanes`` > 1) move ``L`` consecutive words per request: the
+port's word address counts groups of ``L`` words, a request needs the ``L``
+banks of its group (lane i = bank ``(g % (B/L))*L + i``) and is granted all of
+them or none.  Wide ports are granted first, the widest first (fixed
+priority, ties in port order), then the narrow ports share the remaining banks
+round-robin per bank.  A wide port models a wider bank-group access (e.g. the
+NPU's O writer taking C FP32 lanes per cycle); the fixed priority keeps the
+grant atomic without a multi-bank round-robin, and the widest-first order
+keeps a wide stream from being throttled to the speed of a narrower one it
+catches up with.  Narrow-only configurations behave as before.
+
 Reads return in request order per port, one cycle after acceptance at the
 earliest; each port has a small output FIFO and accepts a read only when the
 FIFO has room for it (so back-pressure on ``rdata`` never loses data).
@@ -74,6 +85,10 @@ class StackedSRAM(wiring.Component):
         ``sram_bank_bytes`` (bus word W, bytes).
     n_ports : int
         Functional request ports (>= 1).
+    lanes : tuple of int, optional
+        Words per request of each functional port (a power of two dividing
+        ``sram_banks``; default 1 each).  Port p then has word address width
+        ``addr_bits - log2(lanes[p])`` and data width ``8*W*lanes[p]``.
 
     Ports
     -----
@@ -84,8 +99,9 @@ class StackedSRAM(wiring.Component):
     bd : In(SRAMPortSignature)
         Backdoor port, lowest priority.
     rd_bytes, wr_bytes : Out(48)
-        Bytes read / written (W per read, popcount(wmask) is *not* used: a
-        write moves one bank word, W bytes) over all ports, backdoor excluded.
+        Bytes read / written (W per word, L words per request of an L-lane
+        port; popcount(wmask) is *not* used: a write moves whole bank words)
+        over all ports, backdoor excluded.
     conflict_cycles : Out(32)
         Sum over functional ports of cycles with a valid request that was not
         granted because another port held its bank (or its output FIFO was full).
@@ -95,10 +111,11 @@ class StackedSRAM(wiring.Component):
     Raises
     ------
     ValueError
-        If ``n_ports`` < 1, or the configuration's word widths disagree.
+        If ``n_ports`` < 1, a lane count is not a power of two dividing the
+        bank count, or the configuration's word widths disagree.
     """
 
-    def __init__(self, config, n_ports: int = 2):
+    def __init__(self, config, n_ports: int = 2, lanes=None):
         if not isinstance(n_ports, int) or n_ports < 1:
             raise ValueError(f"n_ports must be a positive int, not {n_ports!r}")
         self.config = config
@@ -109,15 +126,29 @@ class StackedSRAM(wiring.Component):
         self.bank_bits = exact_log2(self.banks)
         self.rows = self.words // self.banks
         self.addr_bits = addr_bits_for(config.sram_bytes, self.wbytes)
+        lanes = tuple(lanes) if lanes is not None else (1,) * n_ports
+        if len(lanes) != n_ports or any(not isinstance(v, int) or v < 1 or v & (v - 1) or self.banks % v
+                                        for v in lanes):
+            raise ValueError(f"lanes must be {n_ports} powers of 2 dividing sram_banks={self.banks}, "
+                             f"not {lanes!r}")
+        self.lanes = lanes
         sig = SRAMPortSignature(self.addr_bits, self.wbytes)
+        narrow = all(v == 1 for v in lanes)
+        if narrow:
+            pmembers = {"ports": In(sig).array(n_ports)}
+        else:        # differing widths: one member per port, ``ports`` lists them
+            pmembers = {f"port{p}": In(SRAMPortSignature(self.addr_bits - exact_log2(v), self.wbytes * v))
+                        for p, v in enumerate(lanes)}
         super().__init__({
-            "ports": In(sig).array(n_ports),
+            **pmembers,
             "bd": In(sig),
             "rd_bytes": Out(48),
             "wr_bytes": Out(48),
             "conflict_cycles": Out(32),
             "err_addr": Out(1),
         })
+        if not narrow:
+            self.ports = [getattr(self, f"port{p}") for p in range(n_ports)]
 
     def elaborate(self, platform):
         m = Module()
@@ -125,6 +156,10 @@ class StackedSRAM(wiring.Component):
         allp = list(self.ports) + [self.bd]
         N = len(allp)
         BD = N - 1
+        L = list(self.lanes) + [1]
+        gbits = [self.bank_bits - exact_log2(v) for v in L]       # bank-group index bits
+        # wide ports in priority order: the widest first (ties: port order)
+        wide = sorted((p for p in range(N) if L[p] > 1), key=lambda p: (-L[p], p))
 
         # per-port output FIFOs and read credits
         outs = []
@@ -132,11 +167,11 @@ class StackedSRAM(wiring.Component):
         pend_bank = []
         can_read = []
         for p, port in enumerate(allp):
-            f = fifo.SyncFIFO(width=8 * W, depth=_OUT_DEPTH)
+            f = fifo.SyncFIFO(width=8 * W * L[p], depth=_OUT_DEPTH)
             m.submodules[f"out{p}"] = f
             outs.append(f)
             pe = Signal(name=f"pend{p}")
-            pb = Signal(max(1, self.bank_bits), name=f"pend_bank{p}")
+            pb = Signal(max(1, gbits[p]), name=f"pend_bank{p}")
             pend.append(pe)
             pend_bank.append(pb)
             cr = Signal(name=f"can_read{p}")
@@ -148,7 +183,8 @@ class StackedSRAM(wiring.Component):
                 f.r_en.eq(port.rdata.ready),
             ]
 
-        # requests per port (a read needs a credit)
+        # requests per port (a read needs a credit); bank_of = bank (narrow)
+        # or bank group (wide)
         want = []
         bank_of = []
         row_of = []
@@ -156,17 +192,31 @@ class StackedSRAM(wiring.Component):
             w = Signal(name=f"want{p}")
             m.d.comb += w.eq(port.req.valid & (port.req.payload.write | can_read[p]))
             want.append(w)
-            b = Signal(max(1, self.bank_bits), name=f"bank{p}")
+            b = Signal(max(1, gbits[p]), name=f"bank{p}")
             r = Signal(range(max(2, 1 << (self.addr_bits - self.bank_bits))), name=f"row{p}")
-            if self.bank_bits:
-                m.d.comb += b.eq(port.req.payload.addr[:self.bank_bits])
-            m.d.comb += r.eq(port.req.payload.addr[self.bank_bits:])
+            if gbits[p]:
+                m.d.comb += b.eq(port.req.payload.addr[:gbits[p]])
+            m.d.comb += r.eq(port.req.payload.addr[gbits[p]:])
             bank_of.append(b)
             row_of.append(r)
             with m.If(port.req.valid & (r >= self.rows)):
                 m.d.sync += self.err_addr.eq(1)
 
+        # wide ports first, fixed priority, all banks of the group or none
         granted = [Const(0, 1) for _ in range(N)]
+        taken = Const(0, self.banks)
+        wide_g = {}
+        for p in wide:
+            msk = Signal(self.banks, name=f"wmask{p}")
+            m.d.comb += msk.eq(Const((1 << L[p]) - 1, self.banks) << (bank_of[p] * L[p]))
+            g = Signal(name=f"wgrant{p}")
+            m.d.comb += g.eq(want[p] & ((msk & taken) == 0))
+            wide_g[p] = (g, msk)
+            taken = taken | Mux(g, msk, 0)
+            granted[p] = g
+        wtaken = Signal(self.banks, name="wide_taken")
+        m.d.comb += wtaken.eq(taken)
+
         bank_rdata = []
         for b in range(self.banks):
             mem = memory.Memory(shape=8 * W, depth=self.rows, init=[])
@@ -175,33 +225,47 @@ class StackedSRAM(wiring.Component):
             rp = mem.read_port()
             bank_rdata.append(rp.data)
             reqs = []
-            for p in range(N):
+            narrow = [p for p in range(N) if L[p] == 1]
+            for p in narrow:
                 rq = Signal(name=f"b{b}_req{p}")
-                m.d.comb += rq.eq(want[p] & (bank_of[p] == b))
+                m.d.comb += rq.eq(want[p] & (bank_of[p] == b) & ~wtaken[b])
                 reqs.append(rq)
-            rr = round_robin(m, reqs, low=(BD,), name=f"b{b}_rr")
+            rr = round_robin(m, reqs, low=(narrow.index(BD),), name=f"b{b}_rr")
             row = Signal.like(row_of[0], name=f"b{b}_row")
             wr = Signal(name=f"b{b}_wr")
             wdata = Signal(8 * W, name=f"b{b}_wdata")
             wmask = Signal(W, name=f"b{b}_wmask")
-            for p in range(N):
-                with m.If(rr.grant[p]):
+            for k, p in enumerate(narrow):
+                with m.If(rr.grant[k]):
                     m.d.comb += [
                         row.eq(row_of[p]),
                         wr.eq(allp[p].req.payload.write),
                         wdata.eq(allp[p].req.payload.wdata),
                         wmask.eq(allp[p].req.payload.wmask),
                     ]
-                granted[p] = granted[p] | rr.grant[p]
+                granted[p] = granted[p] | rr.grant[k]
+            use = rr.any
+            for p in wide:
+                g, msk = wide_g[p]
+                lane = b % L[p]
+                hit = g & msk[b]
+                with m.If(hit):
+                    m.d.comb += [
+                        row.eq(row_of[p]),
+                        wr.eq(allp[p].req.payload.write),
+                        wdata.eq(allp[p].req.payload.wdata[8 * W * lane:8 * W * (lane + 1)]),
+                        wmask.eq(allp[p].req.payload.wmask[W * lane:W * (lane + 1)]),
+                    ]
+                use = use | hit
             m.d.comb += [
                 wp.addr.eq(row),
                 rp.addr.eq(row),
                 wp.data.eq(wdata),
-                wp.en.eq(Mux(rr.any & wr, wmask, 0)),
+                wp.en.eq(Mux(use & wr, wmask, 0)),
             ]
 
-        rd_words = Signal(range(N + 1))
-        wr_words = Signal(range(N + 1))
+        rd_words = Signal(range(N * self.banks + 1))
+        wr_words = Signal(range(N * self.banks + 1))
         rd_terms = []
         wr_terms = []
         stalls = []
@@ -211,14 +275,15 @@ class StackedSRAM(wiring.Component):
             is_rd = g & ~port.req.payload.write
             m.d.sync += [pend[p].eq(is_rd), pend_bank[p].eq(bank_of[p])]
             f = outs[p]
+            nb = self.banks // L[p]
             m.d.comb += [
                 f.w_en.eq(pend[p]),
-                f.w_data.eq(Cat(*bank_rdata).word_select(pend_bank[p], 8 * W) if self.banks > 1
-                            else bank_rdata[0]),
+                f.w_data.eq(Cat(*bank_rdata).word_select(pend_bank[p], 8 * W * L[p]) if nb > 1
+                            else Cat(*bank_rdata)),
             ]
             if p != BD:
-                rd_terms.append(is_rd)
-                wr_terms.append(g & port.req.payload.write)
+                rd_terms.append(Mux(is_rd, L[p], 0))
+                wr_terms.append(Mux(g & port.req.payload.write, L[p], 0))
                 st = Signal(name=f"stall{p}")
                 m.d.comb += st.eq(port.req.valid & ~g)
                 stalls.append(st)

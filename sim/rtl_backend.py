@@ -12,6 +12,11 @@ under Verilator (or Icarus) through cocotb, driven like a host would.
                                                       and the counters ─► result .npz
    run() ◄── o, stats ◄──────────────────────────────────────────────────────┘
 
+That is the batch mode (``run_jobs``: every job known up front, one cocotb
+run).  ``NPUSession`` is the server mode for callers that make jobs one at a
+time (the driver's ``rtl`` backend): one cocotb run stays alive and takes
+job specs through a FIFO, running each exactly as the batch mode does.
+
 DRAM layout chosen by the host side (``plan_job``): every tensor row is
 padded to a multiple of the bus word W (the DMA moves whole words from
 word-aligned rows), Q/O as [heads, seq_q, row], K/V as [kv_heads, seq_kv,
@@ -22,9 +27,17 @@ the SRAM shrunk to the NPU's SRAM map (results do not depend on it).
 
 from __future__ import annotations
 
+import atexit
+import errno
 import json
 import math
+import os
+import select
+import shutil
+import signal
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +45,7 @@ import numpy as np
 from flashnpu.config import NPUConfig
 from flashnpu.golden import numerics as nx
 
-__all__ = ["plan_job", "build_npu", "run_jobs", "run", "O_SENTINEL"]
+__all__ = ["plan_job", "build_npu", "run_jobs", "NPUSession", "run", "O_SENTINEL"]
 
 O_SENTINEL = 0xA5          # byte pattern the host writes over the O region before a job
 DEFAULT_WAVE_CYCLES = 4000     # --waves without --wave-window dumps cycles [0, 4000)
@@ -118,8 +131,9 @@ def plan_job(case, config: NPUConfig, base: int = 0x1000, overrides: dict | None
                 o_extent=(oa, oa + o_bytes))
 
 
-def build_npu(config: NPUConfig, sim: str = "verilator", waves=False):
-    """Build (or reuse) the NPU model for ``sim_config(config)``; returns the runner's handle."""
+def build_npu(config: NPUConfig, sim: str = "verilator", waves=False, quiet: bool = False):
+    """Build (or reuse) the NPU model for ``sim_config(config)``; returns the runner's handle.
+    ``quiet``: the simulator build's output goes to ``build.log`` in the build folder."""
     from flashnpu.hdl.npu import NPU, NPU_MODULE, npu_verilog, register_map, sim_config
     from flashnpu.sim import runner
     scfg = sim_config(config)
@@ -127,7 +141,7 @@ def build_npu(config: NPUConfig, sim: str = "verilator", waves=False):
                         waves=waves, key="npu",
                         verilog_text=lambda top: npu_verilog(scfg, top=top),
                         meta={"regmap": register_map(scfg).to_dict()},
-                        build_args=["--hierarchical"] if sim == "verilator" else None)
+                        build_args=["--hierarchical"] if sim == "verilator" else None, quiet=quiet)
 
 
 def _timeout(case, config: NPUConfig) -> int:
@@ -156,18 +170,61 @@ def _save_case(path, case):
     np.savez(path, **d)
 
 
+def _job_spec(job: dict, tag: str, folder: Path, config: NPUConfig, seed: int) -> dict:
+    """Write ``job``'s case into ``folder`` and return the testbench's job spec
+    (the contract of ``tb/cocotb_npu.py``, batch and server mode alike)."""
+    cp = folder / f"job{tag}.npz"
+    _save_case(cp, job["case"])
+    return dict(inputs=str(cp), out=str(folder / f"res{tag}.npz"),
+                overrides=job.get("overrides", {}), debug=int(job.get("debug", 0)),
+                watchdog=job.get("watchdog"), timeout=job.get("timeout") or _timeout(job["case"], config),
+                name=job.get("name", f"job{tag}"), seed=int(seed), tsv_fault=job.get("tsv_fault") or {})
+
+
+def _build_info(h) -> dict:
+    bj = json.loads((Path(h.build_dir).parent / "build.json").read_text())
+    return dict(generate_s=bj.get("generate_s"), build_s=bj.get("build_s"),
+                verilog_bytes=bj.get("verilog_bytes"))
+
+
+def _load_result(spec: dict, build_info: dict) -> dict:
+    with np.load(spec["out"], allow_pickle=False) as z:
+        r = json.loads(str(z["meta_json"]))
+        r["o"] = z["o"].copy()
+    r["build"] = dict(build_info)
+    return r
+
+
+def _log_tail(log: Path, n: int = 3000) -> str:
+    try:
+        return log.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
 def run_jobs(jobs, config: NPUConfig, sim: str = "verilator", waves=None, seed: int = 0,
              workdir=None, quiet: bool = True) -> list:
-    """Run several jobs in one cocotb session on one NPU build.
+    """Run several jobs in one cocotb session on one NPU build (batch mode).
 
     ``jobs``: list of dicts with ``case`` (AttentionCase) and optional
     ``overrides`` (register values, e.g. a bad head_dim), ``debug`` (value
-    of the debug register), ``watchdog``, ``timeout`` (cycles).  Returns one
+    of the debug register), ``watchdog``, ``timeout`` (cycles), ``tsv_fault``
+    (``{"tsv_fault_rd"|"tsv_fault_wr": value}``, written before the TSV
+    self-test).  Returns one
     dict per job: ``o`` (float32 [heads, seq_q, head_dim]), ``error``
     (NPUError int), ``dma_code``, ``o_untouched`` (bool: the O region still
-    holds the sentinel), ``counters`` (dict), ``wall_s``, ``build`` info.
+    holds the sentinel), ``counters`` (dict), ``wall_s``, ``build`` info,
+    ``tsv`` (links' status and repair maps, jobs with ``tsv_fault`` only) and
+    ``reg_check`` (the offending register read, error REG_UNWRITTEN only).
     ``quiet``: cocotb's output goes to ``cocotb.log`` in the work folder
-    (its tail is shown when a run fails).
+    (its tail is shown when a run fails).  Every job is known up front; a
+    caller that makes jobs one at a time (the driver) uses ``NPUSession``.
+
+    Raises
+    ------
+    AssertionError
+        when the cocotb run failed (a job timed out, the simulator stopped);
+        the message ends with the tail of the log.
     """
     from flashnpu.sim import runner
     from flashnpu.sim.waves import WaveOptions
@@ -175,33 +232,248 @@ def run_jobs(jobs, config: NPUConfig, sim: str = "verilator", waves=None, seed: 
     h = build_npu(config, sim=sim, waves=wopts)
     tmp = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="flashnpu-npu-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    specs = []
-    for i, job in enumerate(jobs):
-        cp = tmp / f"job{i}.npz"
-        _save_case(cp, job["case"])
-        specs.append(dict(inputs=str(cp), out=str(tmp / f"res{i}.npz"),
-                          overrides=job.get("overrides", {}), debug=int(job.get("debug", 0)),
-                          watchdog=job.get("watchdog"), timeout=job.get("timeout") or _timeout(job["case"], config),
-                          name=job.get("name", f"job{i}")))
+    specs = [_job_spec(job, str(i), tmp, config, seed + i) for i, job in enumerate(jobs)]
     jf = tmp / "jobs.json"
     jf.write_text(json.dumps(specs))
     log = tmp / "cocotb.log"
     try:
-        runner.run_cocotb(h, "flashnpu.tb.cocotb_npu", seed=seed, log_file=log if quiet else None,
+        runner.run_cocotb(h, "flashnpu.tb.cocotb_npu", testcase="npu_jobs", seed=seed,
+                          log_file=log if quiet else None,
                           extra_env={"FLASHNPU_NPU_JOBS": str(jf), "FLASHNPU_SEED": seed})
     except AssertionError as e:
-        tail = log.read_text()[-3000:] if quiet and log.exists() else ""
+        tail = _log_tail(log) if quiet else ""
         raise AssertionError(f"{e}\n--- end of {log} ---\n{tail}") from None
-    out = []
-    bj = json.loads((Path(h.build_dir).parent / "build.json").read_text())
-    for s in specs:
-        with np.load(s["out"], allow_pickle=False) as z:
-            r = json.loads(str(z["meta_json"]))
-            r["o"] = z["o"].copy()
-        r["build"] = dict(generate_s=bj.get("generate_s"), build_s=bj.get("build_s"),
-                          verilog_bytes=bj.get("verilog_bytes"))
-        out.append(r)
-    return out
+    info = _build_info(h)
+    return [_load_result(s, info) for s in specs]
+
+
+class NPUSession:
+    """One simulator run of the NPU build that stays alive and serves jobs one
+    at a time (server mode of ``tb/cocotb_npu.py``).
+
+    ::
+
+       NPUSession.run(job) ── spec line ──► req.fifo ──► npu_server (cocotb, in the simulator)
+             ▲                 job .npz                     │ run_job: the batch mode's steps
+             └──── result .npz ◄── "ok" line ◄── rsp.fifo ◄─┘ (reset, TSV self-test, program, poll)
+
+    The simulator starts once (build cached per configuration, then model
+    load and cocotb start-up); every job then costs only its simulated
+    cycles.  Each job runs exactly as in ``run_jobs`` (reset, TSV self-test,
+    DRAM writes, CSR programming, polling), so outputs and counters are the
+    same as a batch run of that job.  The cocotb run lives in a background
+    thread; the simulator blocks on the request FIFO between jobs.
+
+    Parameters
+    ----------
+    config : NPUConfig
+    sim : 'verilator' (default) or 'icarus'
+    seed : int
+        Seed of the DRAM model of every job (the batch mode of one job uses
+        the same).
+    workdir : path, optional
+        Folder for the FIFOs, job files and ``cocotb.log`` (default: a new
+        temporary folder, removed by a clean ``close``).
+    start_timeout_s : float
+        Wall-clock limit in seconds from starting the simulator (after the
+        build) to the testbench opening the request channel.
+    job_timeout_s : float
+        Wall-clock limit in seconds for one job's answer; on expiry the
+        simulator is killed.  (The testbench also stops a job that does not
+        finish within its cycle limit.)
+
+    Attributes
+    ----------
+    log_file : Path of cocotb's output
+    pid : process id of the simulator (None until it started)
+    jobs_done : int
+    startup_s : float, seconds from the call to the simulator being ready
+        (including the build, or the check of its cache)
+
+    Raises
+    ------
+    RuntimeError
+        (from the constructor or ``run``) when the simulator does not start,
+        exits, or does not answer in time; the message names the log file
+        and shows its tail.  ``run`` after ``close`` raises it too.
+    """
+
+    def __init__(self, config: NPUConfig, sim: str = "verilator", seed: int = 0, workdir=None,
+                 start_timeout_s: float = 600.0, job_timeout_s: float = 3600.0):
+        if not isinstance(config, NPUConfig):
+            raise TypeError(f"config must be an NPUConfig, not {config!r}")
+        for name, v in (("start_timeout_s", start_timeout_s), ("job_timeout_s", job_timeout_s)):
+            if not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, not {v!r}")
+        t0 = time.time()
+        self.config = config
+        self.sim = sim
+        self.seed = int(seed)
+        self.job_timeout_s = float(job_timeout_s)
+        self.jobs_done = 0
+        self.pid = None
+        self._req = self._rsp = None
+        self._error: str | None = None
+        self._thread_exc: BaseException | None = None
+        self._closed = False
+        self._own_dir = workdir is None
+        self.dir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="flashnpu-npu-session-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.log_file = self.dir / "cocotb.log"
+        self._handle = build_npu(config, sim=sim, quiet=True)
+        self._build_info = _build_info(self._handle)
+        for name in ("req.fifo", "rsp.fifo"):
+            (self.dir / name).unlink(missing_ok=True)
+            os.mkfifo(self.dir / name)
+        # the reply end first, non-blocking: the simulator's open for writing
+        # then never waits, and an exited simulator reads as end-of-file
+        self._rsp = os.open(self.dir / "rsp.fifo", os.O_RDONLY | os.O_NONBLOCK)
+        self._buf = b""
+        self._thread = threading.Thread(target=self._serve, name=f"flashnpu-npu-session-{id(self):x}",
+                                        daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+        deadline = time.time() + float(start_timeout_s)
+        while True:                         # the request end opens once the testbench reads it
+            try:
+                fd = os.open(self.dir / "req.fifo", os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError as e:
+                if e.errno != errno.ENXIO:
+                    raise
+            if not self._thread.is_alive():
+                self._fail("the simulator exited before it opened the request channel")
+            if time.time() > deadline:
+                self._kill()
+                self._fail(f"the simulator did not start within {start_timeout_s:g} s")
+            time.sleep(0.05)
+        os.set_blocking(fd, True)
+        self._req = fd
+        pidf = self.dir / "sim.pid"
+        self.pid = int(pidf.read_text()) if pidf.exists() else None
+        self.startup_s = time.time() - t0
+
+    # ------------------------------------------------------------ internals
+    def _serve(self):
+        from flashnpu.sim import runner
+        try:
+            runner.run_cocotb(self._handle, "flashnpu.tb.cocotb_npu", testcase="npu_server", seed=self.seed,
+                              log_file=self.log_file,
+                              extra_env={"FLASHNPU_NPU_SERVER": str(self.dir), "FLASHNPU_SEED": self.seed})
+        except BaseException as e:          # also SystemExit, which cocotb's runner raises under pytest
+            self._thread_exc = e
+
+    def _fail(self, what: str):
+        """Mark the session dead and raise a RuntimeError naming the log."""
+        if self._error is None:
+            self._error = what
+        self._close_fds()
+        tail = _log_tail(self.log_file)
+        exc = self._thread_exc
+        if exc is not None and not self._thread.is_alive():
+            what += f" (cocotb run: {type(exc).__name__}: {exc})"
+        raise RuntimeError(f"NPU simulator session ({self.sim}, {self.config.array_rows}x"
+                           f"{self.config.array_cols}): {what}; log: {self.log_file}"
+                           + (f"\n--- end of {self.log_file} ---\n{tail}" if tail else ""))
+
+    def _close_fds(self):
+        for attr in ("_req", "_rsp"):
+            fd = getattr(self, attr)
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+                setattr(self, attr, None)
+
+    def _kill(self):
+        pid = self.pid
+        if pid is None:
+            pidf = self.dir / "sim.pid"
+            pid = int(pidf.read_text()) if pidf.exists() else None
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._thread.join(timeout=30)
+
+    def _read_line(self, timeout_s: float) -> str:
+        """The next answer line; waits at most ``timeout_s`` seconds, and
+        fails as soon as the simulator is gone."""
+        deadline = time.time() + timeout_s
+        while b"\n" not in self._buf:
+            left = deadline - time.time()
+            if left <= 0:
+                self._kill()
+                self._fail(f"no answer within {timeout_s:g} s (job_timeout_s); the simulator was killed")
+            r, _, _ = select.select([self._rsp], [], [], min(1.0, left))
+            if r:
+                chunk = os.read(self._rsp, 65536)
+                if not chunk:               # every writer closed: the simulator is gone
+                    self._thread.join(timeout=30)
+                    self._fail(f"the simulator exited before answering job {self.jobs_done}")
+                self._buf += chunk
+            elif not self._thread.is_alive():
+                self._fail(f"the simulator exited before answering job {self.jobs_done}")
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line.decode()
+
+    # ------------------------------------------------------------ public
+    @property
+    def alive(self) -> bool:
+        """True while the session can take jobs."""
+        return self._error is None and not self._closed and self._thread.is_alive()
+
+    def run(self, job: dict) -> dict:
+        """Run one job (the dict of ``run_jobs``) and return its result dict
+        (as ``run_jobs``).  Raises RuntimeError as described in the class."""
+        if self._closed:
+            raise RuntimeError(f"NPU simulator session is closed; log: {self.log_file}")
+        if self._error is not None:
+            raise RuntimeError(f"NPU simulator session ended earlier ({self._error}); log: {self.log_file}")
+        tag = str(self.jobs_done)
+        spec = _job_spec(job, tag, self.dir, self.config, self.seed)
+        try:
+            os.write(self._req, (json.dumps(spec) + "\n").encode())
+        except (BrokenPipeError, OSError):
+            self._thread.join(timeout=30)
+            self._fail("the simulator is gone (its request channel is closed)")
+        ans = json.loads(self._read_line(self.job_timeout_s))
+        if not ans.get("ok"):
+            self._thread.join(timeout=60)
+            self._fail(f"job {spec['name']} failed in the testbench: {ans.get('error')}")
+        res = _load_result(spec, self._build_info)
+        for p in (spec["inputs"], spec["out"]):
+            Path(p).unlink(missing_ok=True)
+        self.jobs_done += 1
+        return res
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Ask the testbench to stop and wait for the simulator (killed after
+        ``timeout_s`` seconds).  Idempotent; also runs at interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        if self._req is not None:
+            try:
+                os.write(self._req, b'{"quit": true}\n')
+            except OSError:
+                pass
+        self._close_fds()
+        self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive():
+            self._kill()
+        clean = self._error is None and self._thread_exc is None
+        if clean and self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def stats_from_counters(cnt: dict, config: NPUConfig, case) -> dict:
@@ -246,8 +518,11 @@ def run(case, config: NPUConfig, args):
     res = run_jobs([dict(case=case)], config, sim=sim, waves=waves, seed=getattr(args, "seed", 0) or 0)[0]
     if res["error"]:
         from flashnpu.hdl.npu import NPUError
+        rc = res.get("reg_check")
+        where = (f"; PE register {rc['reg']} ({rc['reg_name']}) was read before it was written "
+                 f"(core phase {rc['phase']}, kv tile {rc['tile']})") if rc else ""
         raise RuntimeError(f"the NPU rejected or aborted the job: {NPUError(res['error']).name}"
-                           f" (dma code {res['dma_code']})")
+                           f" (dma code {res['dma_code']}){where}")
     stats = stats_from_counters(res["counters"], config, case)
     stats["sim_wall_s"] = res["wall_s"]
     stats["sim_cycles_per_s"] = round(res["counters"]["total_cycles"] / max(res["wall_s"], 1e-9))

@@ -214,7 +214,8 @@ class BuildHandle:
 def build(top_factory: Callable[[], object], config, name: str, sim: str = "verilator",
           waves: "bool | WaveOptions" = False, key: str = "",
           verilog_text: Callable[[object], str] | None = None,
-          meta: dict | None = None, build_args: list[str] | None = None) -> BuildHandle:
+          meta: dict | None = None, build_args: list[str] | None = None,
+          quiet: bool = False) -> BuildHandle:
     """Generate Verilog for ``top_factory()`` and build it once per configuration.
 
     Parameters
@@ -234,6 +235,9 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
         assemble several modules; defaults to ``amaranth.back.verilog.convert``.
     meta : JSON-able dict stored beside the build (e.g. port maps)
     build_args : extra simulator build arguments
+    quiet : bool
+        Send the simulator build's output to ``build.log`` in the build folder
+        instead of stdout (e.g. under ``flashnpu decode --json``).
 
     Returns
     -------
@@ -243,7 +247,8 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
     ------
     ValueError for an unknown simulator, an unknown scope, or FST under a
     Verilator without liblz4-dev; RuntimeError when the simulator is not
-    installed.
+    installed, or (``quiet``) when the build fails (the message names the
+    log).
     """
     global _SOURCE_DIGEST
     from flashnpu.sim.waves import WaveOptions
@@ -314,9 +319,16 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
                 # Icarus' windowed hook replaces cocotb's dump module; Verilator
                 # needs --trace either way
                 cocotb_waves = bool(waves) and not (windowed and sim == "icarus")
-                runner.build(sources=sources, hdl_toplevel=name, build_dir=bdir / "sim",
-                             build_args=args, waves=cocotb_waves, always=True,
-                             timescale=("1ns", "1ps"))
+                blog = bdir / "build.log" if quiet else None
+                try:
+                    runner.build(sources=sources, hdl_toplevel=name, build_dir=bdir / "sim",
+                                 build_args=args, waves=cocotb_waves, always=True,
+                                 timescale=("1ns", "1ps"), log_file=blog)
+                except RuntimeError as e:
+                    if blog is None:
+                        raise
+                    tail = blog.read_text(errors="replace")[-3000:] if blog.exists() else ""
+                    raise RuntimeError(f"{name}: the {sim} build failed ({e}); log: {blog}\n{tail}") from None
                 info = dict(name=name, sim=sim, config=json.loads(cfg_json), key=key,
                             verilog_bytes=len(text), generate_s=round(t1 - t0, 2),
                             build_s=round(time.time() - t1, 2), meta=meta or {})

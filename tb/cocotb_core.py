@@ -1,7 +1,8 @@
 """cocotb tests of the compute core on its generated Verilog.
 
 The configuration arrives as JSON in ``FLASHNPU_CONFIG``; the cases to run
-as a comma-separated list in ``FLASHNPU_CORE_CASES`` (names of ``CASES``),
+as a comma-separated list in ``FLASHNPU_CORE_CASES`` (names of ``CASES``, or
+``reg_check``: the injected register-check faults, ``reg_check_case``),
 the random seed of the O-stream back-pressure in ``FLASHNPU_SEED``.  Every
 case is checked bit for bit against ``flash_attention_hw`` (checkpoints and
 final O, see ``core_driver.check_run``) and its cycle counters against the
@@ -131,10 +132,41 @@ def expected_mac_cycles(job):
 async def _reset(dut):
     cocotb.start_soon(Clock(dut.clk, 2, unit="ns").start())
     dut.rst.value = 1
-    for name in ("cmd__valid", "wr__valid", "resume", "o__ready", "dbg_addr", "dbg_row"):
+    for name in ("cmd__valid", "wr__valid", "resume", "o__ready", "dbg_addr", "dbg_row", "inject"):
         getattr(dut, name).value = 0
     await ClockCycles(dut.clk, 3)
     dut.rst.value = 0
+
+
+async def reg_check_case(dut, io, cfg, seed):
+    """The register read-before-write check on the Verilog: each injected
+    fault stops the core with the expected register, phase and kv tile (a
+    reset after each), and a normal job afterwards is bit-exact with no error."""
+    from flashnpu.hdl.core import Inject, Phase
+    from flashnpu.hdl.pe import RegMap
+    from flashnpu.tb.core_driver import RegisterCheckError
+    g = RegMap(cfg)
+    job = make_job(cfg, 16, cfg.br, 2 * cfg.bc + 3, causal=True, seed=21, name="reg_check")
+    for inject, want in ((Inject.SKIP_INIT, (g.M(0), Phase.SM, 0)),
+                         (Inject.DROP_S_WRITE, (g.S(0, 0), Phase.S, 1))):
+        drv = CoreDriver(io, cfg, seed=seed, log=dut._log.info)
+        try:
+            await drv.run_job(job, inject=1 << inject, max_cycles=200_000)
+        except RegisterCheckError as e:
+            got = (e.reg, e.phase, e.tile)
+            assert got == want, f"{inject.name}: check fired at {got}, expected {want}"
+            dut._log.info(f"{inject.name}: {e}")
+        else:
+            raise AssertionError(f"{inject.name}: the register check did not fire")
+        assert not io.get("busy"), f"{inject.name}: the core did not stop"
+        drv.idle_inputs()
+        dut.rst.value = 1
+        await ClockCycles(dut.clk, 3)
+        dut.rst.value = 0
+        await io.tick()
+    run = await CoreDriver(io, cfg, seed=seed, log=dut._log.info).run_job(job)
+    check_run(job, run)
+    assert run.counters["cnt_mac"] == expected_mac_cycles(job)
 
 
 @cocotb.test()
@@ -151,6 +183,9 @@ async def core_cases(dut):
     await io.tick()
     report = []
     for name in names:
+        if name == "reg_check":
+            await reg_check_case(dut, io, cfg, seed)
+            continue
         if name not in CASES:
             raise ValueError(f"unknown case {name!r}; known: {sorted(CASES)}")
         o_by_fill = []

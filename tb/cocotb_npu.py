@@ -1,10 +1,24 @@
 """cocotb host-driver testbench of the whole NPU.
 
-The jobs arrive as a JSON list in the file named by ``FLASHNPU_NPU_JOBS``
-(written by ``flashnpu.sim.rtl_backend.run_jobs``): each names an input
+Two modes share one job runner (``run_job``):
+
+* batch (test ``npu_jobs``): the jobs arrive as a JSON list in the file
+  named by ``FLASHNPU_NPU_JOBS`` (written by
+  ``flashnpu.sim.rtl_backend.run_jobs``);
+* server (test ``npu_server``): ``FLASHNPU_NPU_SERVER`` names a folder with
+  two FIFOs (made by ``flashnpu.sim.rtl_backend.NPUSession``).  The test
+  writes the simulator's process id to ``sim.pid``, then reads one JSON job
+  spec per line from ``req.fifo`` -- the simulator is blocked, no time
+  passes, while it waits -- runs it, and answers one JSON line on
+  ``rsp.fifo``: ``{"ok": true, "name", "out"}`` or ``{"ok": false, "name",
+  "error"}`` (then the test fails and the simulator exits).  ``{"quit":
+  true}`` or end-of-file (the client is gone) ends the test.
+
+A job spec names an input
 ``.npz`` (the ``flashnpu sim`` file contract), an output ``.npz``, register
-overrides (rejection tests), a debug-register value (fault injection) and
-an optional watchdog limit.  For every job the testbench acts as the host:
+overrides (rejection tests), a debug-register value (fault injection),
+optional ``tsv_fault`` register values (stuck-at TSV lanes, written before
+the self-test) and an optional watchdog limit.  For every job the testbench acts as the host:
 
 1. reset, run both TSV self-tests through ``tsv_ctl`` and check the links;
 2. write Q, K, V (and the mask) into the DRAM storage model, and a sentinel
@@ -15,6 +29,8 @@ an optional watchdog limit.  For every job the testbench acts as the host:
 5. write ``o``, the error code, the counters and whether the O region still
    holds the sentinel into the output ``.npz``.
 
+Both modes run every job from reset with its own TSV self-test, so a job's
+output and counters do not depend on the mode or on the jobs before it.
 The comparisons (bit-exact vs the golden model, nothing written on a
 rejected job) are made by the caller, which owns the expectations.
 """
@@ -31,6 +47,7 @@ from cocotb.clock import Clock
 from cocotb.triggers import ClockCycles, FallingEdge
 
 from flashnpu.config import NPUConfig
+from flashnpu.hdl.core import Phase, register_name
 from flashnpu.hdl.npu import COUNTERS, NPUError, register_map
 from flashnpu.hdl.tsv import LinkStatus
 from flashnpu.sim.case import AttentionCase
@@ -79,22 +96,40 @@ class Host:
 
 async def reset(dut):
     dut.rst.value = 1
-    for n in ("csr_w_en", "csr_r_en", "csr_addr", "csr_w_data"):
+    # bk__resp_valid: a DRAM server cancelled mid-stream (a job stopped by a
+    # check) leaves it high, and the next job would take a stale word
+    for n in ("csr_w_en", "csr_r_en", "csr_addr", "csr_w_data", "bk__resp_valid"):
         getattr(dut, n).value = 0
     await ClockCycles(dut.clk, 3)
     dut.rst.value = 0
     await ClockCycles(dut.clk, 1)
 
 
-async def train_links(host: Host):
+async def train_links(host: Host, require_ok: bool = True) -> dict:
+    """Run both TSV self-tests; returns ``tsv_status`` unpacked.  ``require_ok``:
+    fail unless both links are OK afterwards (off for jobs with injected TSV
+    faults, which may expect a link down)."""
     await host.write("tsv_ctl", RMAP["tsv_ctl"].pack(bist_rd=1, bist_wr=1))
     for _ in range(200):
         await ClockCycles(host.dut.clk, 50)
         st = RMAP["tsv_status"].unpack(await host.read("tsv_status"))
         if st["rd_status"] != LinkStatus.BIST and st["wr_status"] != LinkStatus.BIST:
-            assert st["rd_ok"] and st["wr_ok"], f"TSV self-test failed: {st}"
-            return
+            assert not require_ok or (st["rd_ok"] and st["wr_ok"]), f"TSV self-test failed: {st}"
+            return st
     raise AssertionError("TSV self-test did not finish")
+
+
+async def read_tsv(host: Host, status: dict) -> dict:
+    """The links' status and repair maps: ``rd_status``/``wr_status`` (LinkStatus
+    names) and ``rd_map``/``wr_map`` (per spare: data lane it replaces, or None)."""
+    out = dict(rd_status=LinkStatus(status["rd_status"]).name, wr_status=LinkStatus(status["wr_status"]).name)
+    for link in ("rd", "wr"):
+        ents = []
+        for i in range((CFG.tsv_spare_lanes + 1) // 2):
+            w = RMAP[f"tsv_{link}_map{i}"].unpack(await host.read(f"tsv_{link}_map{i}"))
+            ents += [w["e0_lane"] if w["e0_valid"] else None, w["e1_lane"] if w["e1_valid"] else None]
+        out[f"{link}_map"] = ents[:CFG.tsv_spare_lanes]
+    return out
 
 
 async def run_job(dut, spec, seed):
@@ -109,7 +144,11 @@ async def run_job(dut, spec, seed):
     await reset(dut)
     server = cocotb.start_soon(model.cocotb_server(dut, dut.clk))
     t0 = time.time()
-    await train_links(host)
+    faults = spec.get("tsv_fault") or {}
+    for name, val in faults.items():        # test-only stuck-at TSV lanes, before the self-test
+        await host.write(name, val)
+    tsv_st = await train_links(host, require_ok=not faults)
+    tsv = await read_tsv(host, tsv_st) if faults else None
     for a, b in plan["writes"]:
         model.write(a, b)
     for name, val in plan["regs"].items():
@@ -154,13 +193,20 @@ async def run_job(dut, spec, seed):
                   f"cycles {cnt['total_cycles']} mac_busy {cnt['mac_busy_cycles']} wall {wall:.2f} s")
     if err:
         dut._log.info(f"job {spec['name']}: the NPU stopped with {msg}")
+    reg_check = None
+    if err == NPUError.REG_UNWRITTEN:
+        rc = RMAP["reg_check"].unpack(await host.read("reg_check"))
+        reg_check = dict(reg=rc["reg"], reg_name=register_name(CFG, rc["reg"]),
+                         phase=Phase(rc["phase"]).name, tile=rc["tile"])
+        dut._log.error(f"job {spec['name']}: PE register {rc['reg']} ({reg_check['reg_name']}) was read "
+                       f"before it was written (core phase {reg_check['phase']}, kv tile {rc['tile']})")
     meta = dict(name=spec["name"], error=err, error_name=msg, dma_code=int(st["dma_code"]),
                 irq=irq, o_untouched=bool(untouched), counters=cnt, wall_s=round(wall, 3),
-                sram_bytes_sim=CFG.sram_bytes)
+                sram_bytes_sim=CFG.sram_bytes, tsv=tsv, reg_check=reg_check)
     np.savez(spec["out"], o=out, meta_json=np.array(json.dumps(meta)))
 
 
-@cocotb.test()
+@cocotb.test(skip="FLASHNPU_NPU_JOBS" not in os.environ)
 async def npu_jobs(dut):
     """Every job of FLASHNPU_NPU_JOBS, one after another, each from reset."""
     seed = int(os.environ.get("FLASHNPU_SEED", "0") or 0)
@@ -168,4 +214,31 @@ async def npu_jobs(dut):
     with open(os.environ["FLASHNPU_NPU_JOBS"]) as f:
         specs = json.load(f)
     for i, spec in enumerate(specs):
-        await run_job(dut, spec, seed + i)
+        await run_job(dut, spec, int(spec.get("seed", seed + i)))
+
+
+@cocotb.test(skip="FLASHNPU_NPU_SERVER" not in os.environ)
+async def npu_server(dut):
+    """Serve jobs from FLASHNPU_NPU_SERVER's request FIFO until quit or end-of-file."""
+    folder = os.environ["FLASHNPU_NPU_SERVER"]
+    seed = int(os.environ.get("FLASHNPU_SEED", "0") or 0)
+    with open(os.path.join(folder, "sim.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    cocotb.start_soon(Clock(dut.clk, 1, unit="ns").start())
+    with open(os.path.join(folder, "req.fifo"), "rb") as req, \
+            open(os.path.join(folder, "rsp.fifo"), "wb", buffering=0) as rsp:
+        while True:
+            line = req.readline()           # blocks the simulator until the next job
+            if not line:
+                dut._log.info("server: the client closed the request channel")
+                break
+            spec = json.loads(line)
+            if spec.get("quit"):
+                break
+            try:
+                await run_job(dut, spec, int(spec.get("seed", seed)))
+            except Exception as e:
+                rsp.write((json.dumps(dict(ok=False, name=spec.get("name"),
+                                           error=f"{type(e).__name__}: {e}")) + "\n").encode())
+                raise
+            rsp.write((json.dumps(dict(ok=True, name=spec["name"], out=spec["out"])) + "\n").encode())

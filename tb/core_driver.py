@@ -30,7 +30,16 @@ from flashnpu.golden import assert_bit_exact, flash_attention_hw
 from flashnpu.golden import numerics as nx
 
 __all__ = ["pack", "AmaranthIo", "CocotbIo", "QTileJob", "CoreRun", "CoreDriver", "check_run",
-           "make_job"]
+           "make_job", "RegisterCheckError"]
+
+
+class RegisterCheckError(AssertionError):
+    """The core's register check fired (``reg_err``): a PE register was read
+    before it was written.  ``reg``, ``phase`` and ``tile`` name the read."""
+
+    def __init__(self, msg, reg, phase, tile):
+        super().__init__(msg)
+        self.reg, self.phase, self.tile = reg, phase, tile
 
 
 def pack(layout, values: dict) -> int:
@@ -220,7 +229,7 @@ class CoreDriver:
         self.cycle += 1
 
     def idle_inputs(self):
-        for name in ("cmd__valid", "wr__valid", "resume", "o__ready", "dbg_addr", "dbg_row"):
+        for name in ("cmd__valid", "wr__valid", "resume", "o__ready", "dbg_addr", "dbg_row", "inject"):
             self.io.set(name, 0)
 
     async def write_rows(self, sel, rows: np.ndarray):
@@ -252,8 +261,23 @@ class CoreDriver:
         return out
 
     # ----------------------------------------------------------------- job
-    async def run_job(self, job: QTileJob, pause=(), max_cycles=2_000_000) -> CoreRun:
+    def check_registers(self):
+        """Raise ``RegisterCheckError`` when the core's register check has fired."""
+        io = self.io
+        if io.get("reg_err"):
+            from flashnpu.hdl.core import register_name
+            reg, tile = io.get("reg_err_addr"), io.get("reg_err_tile")
+            phase = self.Phase(io.get("reg_err_phase"))
+            raise RegisterCheckError(
+                f"PE register {reg} ({register_name(self.cfg, reg)}) read before it was written "
+                f"(phase {phase.name}, kv tile {tile}); the core stopped", reg, phase, tile)
+
+    async def run_job(self, job: QTileJob, pause=(), max_cycles=2_000_000, inject=0) -> CoreRun:
+        """Run one q tile; ``inject`` drives the core's test-only ``inject``
+        port (``Inject`` bits).  Raises ``RegisterCheckError`` if the core's
+        register check fires, ``TimeoutError`` after ``max_cycles``."""
         cfg, io, B = self.cfg, self.io, self.BufSel
+        io.set("inject", inject)
         bc = cfg.bc
         self.run = run = CoreRun()
         n_kv = job.n_kv
@@ -304,12 +328,14 @@ class CoreDriver:
                 await self.tick()
                 io.set("resume", 0)
                 continue
+            self.check_registers()
             if io.get("phase") == self.Phase.IDLE and self.cycle > start + 1:
                 break
             if self.cycle - start > max_cycles:
                 raise TimeoutError(f"core did not finish within {max_cycles} cycles "
                                    f"(phase {self.Phase(io.get('phase')).name})")
             await self.tick()
+        self.check_registers()
         run.cycles = self.cycle - start
         run.counters = {n: io.get(n) for n in self.COUNTERS}
         self.run = None

@@ -3,7 +3,8 @@ against the golden model (cases in ``cocotb_core.CASES``).
 
 * 8 x 8 array (Br = Bc = 16, max_head_dim 128): several kv tiles with every
   checkpoint, causal + padded q rows and keys, kv_valid_len + arbitrary mask
-  with an empty row, head_dim 64 and 128, the field cases A1, A2, A3, A5.
+  with an empty row, head_dim 64 and 128, the field cases A1, A2, A3, A5;
+  the register read-before-write check with injected faults.
 * the default 32 x 32 array once: head_dim 128, causal, two kv tiles.
 * a 4 x 4 array under Icarus (X-propagating, Verilog event semantics): one
   multi-tile job, so ``make sim SIM=icarus`` keeps working.
@@ -37,6 +38,12 @@ def test_core_8x8_tiles_masks_head_dims():
 
 def test_core_8x8_field_cases():
     _run(CFG8, ["a1", "a2", "a3", "a5"])
+
+
+def test_core_8x8_register_check():
+    """Injected faults (INIT skipped; kv tile 1's first S write dropped) stop
+    the core with the register, phase and kv tile of the first unwritten read."""
+    _run(CFG8, ["reg_check"])
 
 
 def test_core_32x32_default():

