@@ -34,7 +34,7 @@ from pathlib import Path
 from flashnpu.config import DEFAULT, NPUConfig
 
 from .energy import SOURCES, TERMS, EnergyTable, energy_of
-from .perf_model import Job, RTLUnavailable, Timing, kv_tile_intensity, model, roofs
+from .perf_model import KV_SLOTS, Job, RTLUnavailable, Timing, kv_tile_intensity, model, roofs
 
 SEQS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 SEQS_QUICK = (512, 1024, 2048)
@@ -58,8 +58,21 @@ VALIDATION_JOBS = (Job(1, 16, 16, 32), Job(1, 32, 64, 32), Job(2, 20, 37, 24),
                    Job(4, 20, 33, 32, kv_heads=2), Job(9, 1, 50, 64, kv_heads=3),
                    Job(6, 1, 40, 32, kv_heads=1), Job(1, 5, 45, 64, causal=True),
                    Job(2, 1, 20, 16), Job(1, 64, 64, 64), Job(1, 40, 13, 16, causal=True))
+#: jobs of the 32x32 validation (``--validate-arrays ...,32x32``): a prefill
+#: over several q and kv tiles and the SmolLM2 decode shape
+VALIDATION_JOBS_32 = (Job(1, 128, 256, 128), Job(9, 1, 256, 64, kv_heads=3))
 #: the core-level check (Amaranth simulator, slow) runs on a 4x4 core
 CORE_CONFIG = dict(rows=4, cols=4)
+
+
+def _arrays(text: str) -> list:
+    out = []
+    for part in text.split(","):
+        r, sep, c = part.strip().partition("x")
+        if not sep or not r.isdigit() or not c.isdigit():
+            raise argparse.ArgumentTypeError(f"arrays must look like 8x8,32x32, not {text!r}")
+        out.append((int(r), int(c)))
+    return out
 
 
 def register(subparsers):
@@ -71,6 +84,9 @@ def register(subparsers):
                    help="first run the small validation jobs on the RTL NPU and write DIR/rtl_validation.json")
     p.add_argument("--sim", choices=["verilator", "icarus"], default="verilator",
                    help="simulator for --validate-rtl")
+    p.add_argument("--validate-arrays", type=_arrays, default=[(8, 8)], metavar="RxC[,RxC...]",
+                   help="NPU arrays of --validate-rtl (default 8x8; 32x32 runs two larger jobs and "
+                        "needs a ~6 min build)")
     p.set_defaults(func=main)
 
 
@@ -224,7 +240,7 @@ def npu_rows(cfg: NPUConfig, jobs, measured, sim: str, per_counter: dict | None 
     return rows
 
 
-def validate_rtl(out: Path, sim: str, progress=None, core: bool = True, jobs=None, array=None) -> dict:
+def validate_rtl(out: Path, sim: str, progress=None, core: bool = True, jobs=None, arrays=None) -> dict:
     """Compare the model with the RTL's counters and write rtl_validation.json.
 
     Two levels, each run when its RTL exists:
@@ -232,7 +248,8 @@ def validate_rtl(out: Path, sim: str, progress=None, core: bool = True, jobs=Non
     * npu: whole jobs on the NPU (``rtl_counters_many``, one simulator
       session), every counter of ``RTL_COUNTER_FIELDS`` against the model
       with its default timing: no calibration (``VALIDATION_JOBS`` on a
-      ``VALIDATION_CONFIG`` array);
+      ``VALIDATION_CONFIG`` array, or each of ``arrays`` ((rows, cols)
+      pairs; 32x32 runs ``VALIDATION_JOBS_32``));
     * core (``core=True``): one q tile on ``flashnpu.hdl.core.Core``
       (Amaranth simulator, fed without gaps), every core counter
       (``CORE_CASES`` on a ``CORE_CONFIG`` array).
@@ -242,17 +259,20 @@ def validate_rtl(out: Path, sim: str, progress=None, core: bool = True, jobs=Non
     """
     from flashnpu.config import small_config
     from .perf_model import rtl_core_counters, rtl_counters_many
-    arr = array or VALIDATION_CONFIG
-    cfg = small_config(**arr)
-    jobs = VALIDATION_JOBS if jobs is None else jobs
-    rows, notes, per_counter = [], [], {}
-    try:
-        measured = rtl_counters_many(jobs, cfg, sim=sim)
-        rows += npu_rows(cfg, jobs, measured, sim, per_counter, progress)
-        notes.append(f"npu: {len(jobs)} jobs in one {sim} session on the {cfg.array_rows}x{cfg.array_cols} NPU "
-                     f"(Br = {cfg.br}, Bc = {cfg.bc}); model with its default timing, no calibration")
-    except RTLUnavailable as e:
-        notes.append(f"npu: not run ({e})")
+    arrays = arrays or [(VALIDATION_CONFIG["rows"], VALIDATION_CONFIG["cols"])]
+    rows, notes, exact = [], [], []
+    for r_, c_ in arrays:
+        cfg = DEFAULT if (r_, c_) == (32, 32) else small_config(rows=r_, cols=c_)
+        ajobs = jobs if jobs is not None else (VALIDATION_JOBS_32 if (r_, c_) == (32, 32) else VALIDATION_JOBS)
+        per_counter = {}
+        try:
+            measured = rtl_counters_many(ajobs, cfg, sim=sim)
+            rows += npu_rows(cfg, ajobs, measured, sim, per_counter, progress)
+            notes.append(f"npu: {len(ajobs)} jobs in one {sim} session on the {r_}x{c_} NPU "
+                         f"(Br = {cfg.br}, Bc = {cfg.bc}); model with its default timing, no calibration")
+            exact.append(f"{r_}x{c_}: " + ", ".join(f"{k} {v[0]}/{v[2]}" for k, v in per_counter.items()))
+        except RTLUnavailable as e:
+            notes.append(f"npu {r_}x{c_}: not run ({e})")
     if core:
         ccfg = small_config(**CORE_CONFIG)
         try:
@@ -274,11 +294,11 @@ def validate_rtl(out: Path, sim: str, progress=None, core: bool = True, jobs=Non
             notes.append(f"core: not run ({e})")
     if not rows:
         raise RTLUnavailable("; ".join(notes))
-    data = dict(array=f"{cfg.array_rows}x{cfg.array_cols}", br=cfg.br, bc=cfg.bc,
+    data = dict(arrays=", ".join(f"{r_}x{c_}" for r_, c_ in arrays),
                 cells="one number where model and RTL agree, 'model / rtl' where they differ",
                 notes=" | ".join(notes),
                 all_exact=all(r["worst_rel_err"] == 0 for r in rows),
-                exact_per_counter=", ".join(f"{k} {v[0]}/{v[2]}" for k, v in per_counter.items()),
+                exact_per_counter=" | ".join(exact),
                 rows=rows)
     (out / "rtl_validation.json").write_text(json.dumps(data, indent=1))
     return data
@@ -491,10 +511,9 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
     rf = res["roofs"]
     tmr = Timing()
     _q = model(Job(1, cfg.br, 8 * cfg.bc, 128), cfg)          # one q tile of 8 kv tiles, d = 128
-    _od, _wo = cfg.o_cols_per_pe(128), -(-128 * 4 // cfg.sram_bank_bytes)
-    q1 = dict(out_bp=cfg.br * (max(_od, _wo) + 1 - _od), start_stall=_q.bytes_detail["start_stall_cycles"],
-              pair_stall=_q.bytes_detail["pair_stall_cycles"],
-              outside=_q.bytes_detail["drain_cycles"] - cfg.br * (max(_od, _wo) + 1 - _od))
+    _bd = _q.bytes_detail
+    q1 = dict(start_stall=_bd["start_stall_cycles"], pair_stall=_bd["pair_stall_cycles"],
+              tail=_bd["tail_cycles"], outside=_bd["drain_cycles"] - _bd["tail_cycles"])
     reg0 = seq[-1]["register"]
     spill_pp = model(Job(1, 512, 512, 128), design="baseline").bytes_detail["spill_cycles_per_pair"]
     L = []
@@ -545,8 +564,10 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
     L.append(_table(hdr, [[r["seq"]] + [round(r[l]["energy_uj"] / r["register"]["energy_uj"], 3) for l in BASELINES]
                           + [round(r["sram_kv_reuse"]["energy_uj"] / r["register_kv_reuse"]["energy_uj"], 3)]
                           for r in seq]) + "\n")
-    L.append("K/V reuse = each head's K and V loaded from DRAM once when they fit in half the SRAM "
-             "(up to seq_len 4096 at d = 128) instead of once per tile pair (the default, as the DMA does).\n")
+    L.append("K/V reuse = each head's K and V loaded from DRAM once whenever they fit in half the SRAM "
+             "(up to seq_len 4096 at d = 128). The default follows the RTL: resident only while a KV head's "
+             f"kv tiles fit the NPU's {KV_SLOTS} SRAM slots (seq_len <= {KV_SLOTS * cfg.bc} here), else "
+             "loaded once per q tile.\n")
     if res.get("seq_causal"):
         h, rr = key_table(res["seq_causal"])
         L.append("Causal (bottom-right aligned, fully masked kv tiles skipped):\n")
@@ -567,17 +588,22 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
                      ["final (1/l, O scaling)", tmr.final_cycles(cfg, 128), "q tile",
                       tmr.source(cfg, 128) + " + reciprocal latency 27"],
                      ["O read-out", tmr.out_cycles(cfg, 128), "q tile", "Br·od beats + 1"],
-                     ["O writer hold", q1["out_bp"], "q tile",
-                      "Br·(max(od, wo) + 1 - od): the writer takes a row after its beats (wo bus words per row)"],
-                     ["wait for Q + first K/V", q1["start_stall"], "q tile",
-                      "fitted on the RTL: 2 DRAM latencies + 9 + one cycle per bus word of Q, K and V, minus init"],
+                     ["wait for Q + first K/V", q1["start_stall"], "job (first q tile)",
+                      "DRAM latency + the DMA's Q and K_0 words + the loader's requests, fixed part fitted "
+                      "on the RTL (`Timing.first_tile_fixed_cycles`)"],
                      ["K/V waits, pairs 2..n", q1["pair_stall"], "q tile (8 kv tiles)",
                       "transaction-level walk of DMA, loader and core (perf_model._pair_stalls)"],
-                     ["O write-back + controller", q1["outside"], "q tile",
-                      f"Br·wo words + writer tail + {tmr.qtile_ctrl_cycles} (fitted on the RTL)"]]) + "\n")
-    L.append("The NPU runs one q tile at a time on one DMA engine (one 32-byte word per cycle): Q and the "
-             "first K/V tile load, and O goes back, in series with compute; these per-q-tile terms are what "
-             "keeps the 32x32 NPU below the array's peak (see `docs/npu.md`).\n")
+                     ["O write-back tail", q1["tail"], "job (last q tile)",
+                      "the last O chunks after the read-out (`Timing.o_*`, fitted on the RTL)"],
+                     ["controller and hand-offs", q1["outside"], "job",
+                      f"{tmr.qtile_ctrl_cycles} set-up cycles + one idle core cycle between q tiles "
+                      "+ O writer waits"]]) + "\n")
+    L.append("The NPU keeps each KV head's K/V tiles resident in SRAM slots (up to "
+             f"{KV_SLOTS} kv tiles: seq_kv <= {KV_SLOTS * cfg.bc} at this array; longer sequences stream K/V "
+             "through two ping-pong halves for every q tile), has two Q and two O regions, and runs the "
+             "controller one q tile ahead of the core. What stays in series with the MACs is the core's own "
+             "per-q-tile phases, the first q tile's wait for Q and K_0 and the last q tile's O write-back "
+             "(see `docs/npu.md`).\n")
     L.append("## Counters (register-level, longest sequence)\n")
     L.append("The same counter set the RTL NPU exposes:\n")
     L.append(_table(["counter", "register-level", "baseline (SRAM spill)"],
@@ -599,13 +625,13 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
                       f"{100 * p['achieved_flops'] / min(rf['compute_flops'], p['ai_dram'] * rf['dram_bw']):.1f} %",
                       f"{100 * p['mac_utilization']:.1f} %"] for p in res["roofline"]]) + "\n")
     L.append("![roofline](roofline.png)\n")
-    L.append("Prefill sits far right of every ridge; what it loses to the compute roof is mostly the NPU's "
-             "serial q-tile schedule on one DMA engine: per q tile the wait for Q and the first K/V tile "
-             f"({q1['start_stall']} cycles at d = 128), the K/V waits between pairs ({q1['pair_stall']} over "
-             f"8 kv tiles), the O writer hold and O write-back ({q1['out_bp']} + {q1['outside']}), then the "
-             f"softmax phase ({tmr.softmax_cycles(cfg, 128)} cycles per pair, from the "
-             f"{tmr.source(cfg, 128)}) and the init, reciprocal/normalisation and O read-out "
-             f"({tmr.init_cycles(cfg, 128)} + {tmr.final_cycles(cfg, 128)} + {tmr.out_cycles(cfg, 128)} cycles). "
+    L.append("Prefill sits far right of every ridge; what it loses to the compute roof is the core's own "
+             f"phases: the softmax ({tmr.softmax_cycles(cfg, 128)} cycles per pair, from the "
+             f"{tmr.source(cfg, 128)}) and, per q tile, the init, reciprocal/normalisation and O read-out "
+             f"({tmr.init_cycles(cfg, 128)} + {tmr.final_cycles(cfg, 128)} + {tmr.out_cycles(cfg, 128)} cycles); "
+             f"once per job the first q tile's wait for Q and K_0 ({q1['start_stall']} cycles at d = 128) and "
+             f"the last O write-back ({q1['tail']}); and, when K/V stream (seq_kv > {KV_SLOTS * cfg.bc}), "
+             "the DMA's share of the TSV link. "
              "Decode has a low "
              "intensity (one query row per head, a few rows per K/V group) and would be DRAM-bound on an "
              "ideal machine, but the array spends a full Br-row tile of cycles on the few valid rows, so it "
@@ -650,10 +676,10 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
     L.append(_table(["item", "value", "source"],
                     [[k, round(getattr(et, k), 4), SOURCES[k]] for k in SOURCES]) + "\n")
     L.append("Assumptions of the performance model (each marked ASSUMPTION in `scripts/perf_model.py`): "
-             "the NPU's timing terms follow `hdl/npu.py` (one q tile at a time, one DMA engine at one bus word "
-             "per cycle, rows padded to whole bus words, skipped causal tiles but at least one kv tile per q "
-             "tile); two constants (the fixed part of the wait for Q and the first K/V tile, and the "
-             "controller cycles per q tile) are fitted on 8x8 RTL runs; the K/V waits between pairs come from "
+             "the NPU's timing terms follow `hdl/npu.py` (K/V resident in SRAM slots or streamed, two Q and two "
+             "O regions, one DMA engine at one bus word per cycle, rows padded to whole bus words, skipped "
+             "causal tiles but at least one kv tile per q tile); the constants of the first q tile's start, "
+             "the last O write-back and the controller set-up are fitted on 8x8 and 4x4 RTL runs; the K/V waits between pairs come from "
              "a walk of the DMA / loader / core hand-shakes that the small arrays never exercise (see the "
              "validation section for the 32x32 check); a q tile costs a full tile of cycles however few rows "
              "are valid; O is written back in FP32; the RTL's `reg_bytes` counter counts only MAC accumulator "
@@ -711,9 +737,11 @@ def main(args) -> int:
     if args.validate_rtl:
         from tqdm import tqdm
         try:
-            with tqdm(total=len(VALIDATION_JOBS) + len(CORE_CASES), desc="RTL validation", unit="case", file=sys.stderr,
+            total = sum(len(VALIDATION_JOBS_32 if a == (32, 32) else VALIDATION_JOBS)
+                        for a in args.validate_arrays) + len(CORE_CASES)
+            with tqdm(total=total, desc="RTL validation", unit="case", file=sys.stderr,
                       disable=bool(os.environ.get("CI"))) as bar:
-                v = validate_rtl(out, args.sim, progress=bar)
+                v = validate_rtl(out, args.sim, progress=bar, arrays=args.validate_arrays)
             print(f"RTL validation: {'all counters exact' if v['all_exact'] else 'differences, see report'} "
                   f"({len(v['rows'])} rows)")
         except RTLUnavailable as e:
