@@ -11,8 +11,8 @@ statistics::
     │ q      f16 [H, Lq, d]    │ ─────► │ golden: flash_attention_hw       │
     │ k, v   f16 [G, W, d]     │        │         (bit-exact NPU model)    │
     │ mask   bool [Lq, W]      │        │ rtl:    generated Verilog under  │
-    │ scale, q_offset,         │ ◄───── │         (cocotb): one simulator  │
-    │ kv_valid_len             │ result │         run serves every job     │
+    │ scale, q_offset,         │ ◄───── │  Verilator (cocotb): one session │
+    │ kv_valid_len             │ result │         serves every job         │
     └──────────────────────────┘        └──────────────────────────────────┘
                      o f32 [H, Lq, d], cycles, bytes
 
@@ -21,10 +21,11 @@ query rows, W the slots of the selected KV window (a generate variant's
 capacity), d = head_dim.
 
 Grouped-query mapping: all H query heads of a layer travel in ONE job; the
-heads that share a kv head are stacked on the PE rows of a q tile, so a K/V
-tile is fetched once for the whole group.  ``job_bytes`` states the traffic
-model that follows from it; the golden backend reports that model (it has no
-clock), a hardware backend reports what its counters measured.
+heads that share a kv head are stacked on the PE rows of a q tile (decode,
+seq_q = 1), and a K/V tile held in the NPU's SRAM serves the whole group.
+``job_bytes`` states the traffic model that follows from it; the golden
+backend reports that model (it has no clock), a hardware backend reports
+what its counters measured.
 
 Adding a backend: subclass ``Transport``, implement ``_run``, and
 ``register_backend("name", factory)``; the CLI lists every registered name.
@@ -161,25 +162,31 @@ class TransportCounters:
 
 
 def job_bytes(job: AttentionJob, config: NPUConfig = DEFAULT) -> dict:
-    """DRAM traffic of ``job`` under the grouped-query tile mapping.
+    """DRAM traffic of ``job`` under the NPU's tile schedule (``hdl/npu.py``).
 
-    Model (stated assumptions): the ``heads // kv_heads`` query heads that
-    share a kv head are stacked on the rows of q tiles of ``config.br`` rows
-    (``ceil(group * seq_q / br)`` q tiles per kv head); every q tile streams
-    K and V of every slot of the job's window in FP16 (a static-shape job:
-    the window is the selected generate variant, and the descriptor does not
-    say which slots are valid, so nothing is skipped); Q is read once in
-    FP16, O written once in FP32.
+    Model (stated assumptions): for seq_q == 1 the ``heads // kv_heads``
+    query heads that share a kv head are stacked on the rows of q tiles of
+    ``config.br`` rows (``ceil(group / br)`` q tiles per kv head), otherwise
+    each query head runs its own ``ceil(seq_q / br)`` q tiles.  K and V cover
+    every slot of the job's window in FP16 (a static-shape job: the window
+    is the selected generate variant and the descriptor does not say which
+    slots are valid, so nothing is skipped); they cross DRAM once per kv
+    head when the window's kv tiles fit the NPU's SRAM slots
+    (``ceil(window / bc) <= KV_SLOTS``), else once per q tile.  Q is read
+    once in FP16, O written once in FP32.
 
     Returns
     -------
     dict with integer byte counts ``q``, ``kv``, ``o``.
     """
+    from flashnpu.scripts.perf_model import KV_SLOTS
     group = job.heads // job.kv_heads
-    q_tiles = math.ceil(group * job.seq_q / config.br)
+    rows = group if job.seq_q == 1 else job.seq_q
+    q_tiles = math.ceil(rows / config.br) * (1 if job.seq_q == 1 else group)
+    fetches = 1 if math.ceil(job.window / config.bc) <= KV_SLOTS else q_tiles
     return dict(
         q=job.q.size * FP16_BYTES,
-        kv=2 * job.kv_heads * q_tiles * job.window * job.head_dim * FP16_BYTES,
+        kv=2 * job.kv_heads * fetches * job.window * job.head_dim * FP16_BYTES,
         o=job.heads * job.seq_q * job.head_dim * FP32_BYTES,
     )
 

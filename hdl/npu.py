@@ -36,7 +36,7 @@ Design trade-offs
   whole, into slot j; every later q tile and every other query head of the
   group has the loader read it straight from SRAM.  At 512 tokens, d = 128
   that removes 8 x 32 KiB of K/V per q tile from the one-word-per-cycle DMA,
-  which was the bound (304 KiB per q tile against 8 192 MAC cycles).  The
+  which would otherwise bound it (304 KiB per q tile against 8 192 MAC cycles).  The
   slots of a KV head are rewritten for the next KV head only after the
   loader has finished the previous q tile.  Longer sequences stream K/V
   through slots 0 and 1 as ping-pong halves for every q tile (the DMA itself

@@ -26,7 +26,7 @@ round-robin per bank.  A wide port models a wider bank-group access (e.g. the
 NPU's O writer taking C FP32 lanes per cycle); the fixed priority keeps the
 grant atomic without a multi-bank round-robin, and the widest-first order
 keeps a wide stream from being throttled to the speed of a narrower one it
-catches up with.  Narrow-only configurations behave as before.
+catches up with.  Narrow-only configurations use the per-bank round-robin only.
 
 Reads return in request order per port, one cycle after acceptance at the
 earliest; each port has a small output FIFO and accepts a read only when the
@@ -40,7 +40,8 @@ touching the protocol of the functional ports.
 Verilog size: Yosys writes a zero initialiser for every memory word (~0.7 MB
 per 256 KiB bank); generate through :func:`flashnpu.hdl.mem_common.verilog_text`,
 which strips it (the storage then powers up undefined, like a real macro).
-Simulations use a smaller ``sram_bytes`` (e.g. 64 KiB) for fast builds.
+Memory-system tests use a smaller ``sram_bytes`` (64 KiB); the NPU's
+``sim_config`` uses its SRAM map (1 MiB at 32 x 32).
 """
 
 from __future__ import annotations

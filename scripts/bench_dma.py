@@ -78,8 +78,9 @@ def run(quick: bool = False, points=None, out_dir: Path | None = None, params: d
 
 PARAMETERS = [
     # (field, meaning, status / source)
-    ("sram_bytes", "stacked SRAM capacity", "design point (simulations use 64-256 KiB; the Verilog "
-     "has no initialiser, so 4 MiB generates ~125 KB of Verilog, ~70 s)"),
+    ("sram_bytes", "stacked SRAM capacity", "design point (simulations use 64 KiB in the memory-system "
+     "tests and the NPU's SRAM map, 1 MiB at 32x32, in the NPU; the Verilog has no initialiser, "
+     "so 4 MiB generates ~125 KB of Verilog, ~70 s)"),
     ("sram_banks", "single-ported banks, word-interleaved", "assumption"),
     ("sram_bank_bytes", "bank port = bus word W", "assumption (256-bit bank port)"),
     ("dram_dies", "DRAM stack height", "HBM-class 8-high stack (JEDEC JESD235)"),

@@ -324,8 +324,11 @@ def test_job_bytes_model():
     assert b == dict(q=9 * 64 * 2, kv=2 * 3 * 1 * 80 * 64 * 2, o=9 * 64 * 4)
     q = np.zeros((9, 64, 64), np.float16)                  # 3 heads x 64 rows per kv head = 3 q tiles
     job = AttentionJob(0, q, kv, kv, np.ones((64, 80), bool), 0.125, 0, 64)
-    assert job_bytes(job)["kv"] == 2 * 3 * 3 * 80 * 64 * 2
-    assert job_bytes(job, small_config())["kv"] == 2 * 3 * 24 * 80 * 64 * 2    # Br = 8: 24 q tiles
+    assert job_bytes(job)["kv"] == 2 * 3 * 1 * 80 * 64 * 2          # 2 kv tiles: resident, fetched once
+    assert job_bytes(job, small_config())["kv"] == 2 * 3 * 1 * 80 * 64 * 2
+    kv = np.zeros((3, 1100, 64), np.float16)               # 18 kv tiles > 16 SRAM slots: streamed
+    job = AttentionJob(0, q, kv, kv, np.ones((64, 1100), bool), 0.125, 0, 64)
+    assert job_bytes(job)["kv"] == 2 * 3 * 3 * 1100 * 64 * 2        # once per q tile
 
 
 def test_job_validation():
