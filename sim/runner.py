@@ -50,6 +50,10 @@ if TYPE_CHECKING:  # sim/waves.py imports nothing from here
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_ROOT = Path(os.environ.get("FLASHNPU_BUILD", ROOT / "build"))
+# C++ linked into ``--hierarchical`` Verilator builds: zero-filling aligned
+# ``operator new`` (Verilator's hier_block wrapper leaves a counter
+# uninitialised; see the file).
+HIER_NEW_CPP = Path(__file__).resolve().parent / "vl_zero_new.cpp"
 
 # Verilator warnings that Amaranth's generated Verilog triggers by design --
 # the one documented list, used by every simulator build here and by
@@ -272,7 +276,9 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
         _SOURCE_DIGEST = _source_digest()
     cfg_json = config.to_json() if config is not None else "{}"
     wkey = waves.build_key(sim) if windowed else str(bool(waves))
-    simkey = [_ICARUS_TEXT_VERSION] if sim == "icarus" else []   # Verilator keys unchanged
+    simkey = [_ICARUS_TEXT_VERSION] if sim == "icarus" else []
+    if sim == "verilator" and "--hierarchical" in (build_args or []):
+        simkey.append(hashlib.sha256(HIER_NEW_CPP.read_bytes()).hexdigest())
     digest = hashlib.sha256("\n".join([cfg_json, key, wkey, _SOURCE_DIGEST, *simkey,
                                        " ".join(build_args or [])]).encode()).hexdigest()[:12]
     bdir = BUILD_ROOT / "sim" / f"{name}-{sim}-{digest}"
@@ -314,6 +320,10 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
                                    f"public_flat_rw -module \"{name}\" -var \"*\"\n")
                     sources.append(vlt)
                     args = VERILATOR_WAIVERS + ["-O3", "--x-assign", "fast", "--x-initial", "fast"] + args
+                    if "--hierarchical" in args:
+                        # hier_block wrappers read an uninitialised sequence
+                        # number; see the comment in vl_zero_new.cpp
+                        args.append(str(HIER_NEW_CPP))
                 else:
                     args = ["-g2012"] + args
                 # Icarus' windowed hook replaces cocotb's dump module; Verilator
