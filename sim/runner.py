@@ -262,7 +262,8 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
         if not fst_supported(sim):
             raise ValueError(f"FST waves {str(waves.path)!r} under Verilator need the lz4 headers "
                              "(apt-get install liblz4-dev); dump .vcd instead")
-    if windowed and sim == "verilator" and "--hierarchical" in (build_args or []):
+    hier = sim == "verilator" and "--hierarchical" in (build_args or [])
+    if windowed and hier:
         # Verilator 5.048 traces only the top model: nothing inside a hier_block
         # (measured on the core: its PE rows came out as empty scopes)
         warnings.warn(f"{name}: --hierarchical build, so signals inside hier_block modules are "
@@ -277,7 +278,7 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
     cfg_json = config.to_json() if config is not None else "{}"
     wkey = waves.build_key(sim) if windowed else str(bool(waves))
     simkey = [_ICARUS_TEXT_VERSION] if sim == "icarus" else []
-    if sim == "verilator" and "--hierarchical" in (build_args or []):
+    if hier:
         simkey.append(hashlib.sha256(HIER_NEW_CPP.read_bytes()).hexdigest())
     digest = hashlib.sha256("\n".join([cfg_json, key, wkey, _SOURCE_DIGEST, *simkey,
                                        " ".join(build_args or [])]).encode()).hexdigest()[:12]
@@ -320,7 +321,7 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
                                    f"public_flat_rw -module \"{name}\" -var \"*\"\n")
                     sources.append(vlt)
                     args = VERILATOR_WAIVERS + ["-O3", "--x-assign", "fast", "--x-initial", "fast"] + args
-                    if "--hierarchical" in args:
+                    if hier:
                         # hier_block wrappers read an uninitialised sequence
                         # number; see the comment in vl_zero_new.cpp
                         args.append(str(HIER_NEW_CPP))
