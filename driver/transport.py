@@ -172,18 +172,17 @@ def job_bytes(job: AttentionJob, config: NPUConfig = DEFAULT) -> dict:
     is the selected generate variant and the descriptor does not say which
     slots are valid, so nothing is skipped); they cross DRAM once per kv
     head when the window's kv tiles fit the NPU's SRAM slots
-    (``ceil(window / bc) <= KV_SLOTS``), else once per q tile.  Q is read
+    (``ceil(window / bc) <= config.kv_slots``), else once per q tile.  Q is read
     once in FP16, O written once in FP32.
 
     Returns
     -------
     dict with integer byte counts ``q``, ``kv``, ``o``.
     """
-    from flashnpu.scripts.perf_model import KV_SLOTS
     group = job.heads // job.kv_heads
     rows = group if job.seq_q == 1 else job.seq_q
     q_tiles = math.ceil(rows / config.br) * (1 if job.seq_q == 1 else group)
-    fetches = 1 if math.ceil(job.window / config.bc) <= KV_SLOTS else q_tiles
+    fetches = 1 if math.ceil(job.window / config.bc) <= config.kv_slots else q_tiles
     return dict(
         q=job.q.size * FP16_BYTES,
         kv=2 * job.kv_heads * fetches * job.window * job.head_dim * FP16_BYTES,

@@ -31,6 +31,9 @@ dram_bytes             64 MiB      simulated DRAM window (assumption, not a limi
 tsv_data_lanes         256         = 8 x dram_channel_bytes: one lane per bit
 tsv_spare_lanes        8           assumption: a few spares per bundle, as HBM
                                    stacks carry redundant TSVs
+kv_slots               16          design point: K/V tile slots of the SRAM map;
+                                   a KV head whose kv tiles all fit stays
+                                   resident in SRAM (seq_kv <= kv_slots x Bc)
 =====================  ==========  =============================================
 """
 
@@ -80,6 +83,10 @@ class NPUConfig:
         Size of the simulated DRAM address space (bytes).
     tsv_data_lanes, tsv_spare_lanes : int
         Data lanes and spare lanes of one TSV bundle.
+    kv_slots : int
+        K/V tile slots in the NPU's SRAM map (a power of 2, at least 2): a KV
+        head with at most ``kv_slots`` kv tiles keeps them resident in SRAM;
+        longer ones stream K/V through slots 0 and 1 (ping-pong halves).
     """
 
     array_rows: int = 32
@@ -99,6 +106,7 @@ class NPUConfig:
     dram_bytes: int = 64 * 1024 * 1024
     tsv_data_lanes: int = 256
     tsv_spare_lanes: int = 8
+    kv_slots: int = 16
 
     # ------------------------------------------------------------------ checks
     def __post_init__(self):
@@ -115,9 +123,11 @@ class NPUConfig:
         if self.tsv_spare_lanes < 0:
             raise ValueError(f"tsv_spare_lanes must be >= 0, not {self.tsv_spare_lanes!r}")
         for name in ("array_rows", "array_cols", "sram_banks", "sram_bank_bytes",
-                     "dram_channels", "dram_channel_bytes"):
+                     "dram_channels", "dram_channel_bytes", "kv_slots"):
             if not _is_pow2(getattr(self, name)):
                 raise ValueError(f"{name} must be a power of 2, not {getattr(self, name)!r}")
+        if self.kv_slots < 2:
+            raise ValueError(f"kv_slots must be at least 2 (the ping-pong halves), not {self.kv_slots!r}")
         if self.array_cols < 2:
             raise ValueError(f"array_cols must be at least 2, not {self.array_cols!r}")
         if self.br % self.array_rows:

@@ -14,10 +14,10 @@ Dataflow
                                        OWriter ── SRAM port 2 ──► O region ─DMA─► DRAM
 
 SRAM map (bytes, ``sram_map``): two Q regions (Br rows of ``row_bytes``),
-two O regions (Br rows of ``orow_bytes``, FP32), ``KV_SLOTS`` K/V slots,
+two O regions (Br rows of ``orow_bytes``, FP32), ``config.kv_slots`` K/V slots,
 each [K tile | V tile | mask tile] (Bc, Bc and Br rows; slots 0 and 1 are
 the DMA's ping-pong halves when K/V stream) and the resident mode's mask
-tiles (two q-tile parities x ``KV_SLOTS``).  ``sim_config`` shrinks the
+tiles (two q-tile parities x ``config.kv_slots``).  ``sim_config`` shrinks the
 simulated SRAM to the next power of two above the map (1 MiB at 32 x 32).
 
 Per q tile t (region t % 2)::
@@ -31,7 +31,7 @@ Per q tile t (region t % 2)::
 Design trade-offs
 -----------------
 * **K/V resident in SRAM.**  When every kv tile of a KV head has a slot
-  (ceil(min(seq_kv, kv_valid_len) / Bc) <= ``KV_SLOTS``), the first q tile
+  (ceil(min(seq_kv, kv_valid_len) / Bc) <= ``config.kv_slots``), the first q tile
   that needs kv tile j (of the first query head of the GQA group) DMAs it,
   whole, into slot j; every later q tile and every other query head of the
   group has the loader read it straight from SRAM.  At 512 tokens, d = 128
@@ -41,7 +41,7 @@ Design trade-offs
   loader has finished the previous q tile.  Longer sequences stream K/V
   through slots 0 and 1 as ping-pong halves for every q tile (the DMA itself
   refuses to overwrite a half before the loader released it).  The cost:
-  ``KV_SLOTS`` x 36 KiB (K, V and mask tile) of the 4 MiB SRAM at the default
+  ``config.kv_slots`` x 36 KiB (K, V and mask tile) of the 4 MiB SRAM at the default
   configuration (the whole map: 800 KiB).
 * **Two Q and two O regions, one q tile of issue-ahead.**  The controller
   hands q tile t to the core (its command waits in the core's command slot)
@@ -117,16 +117,13 @@ from .dma import DMAError, Direction, MemorySystem, descriptor_layout
 from .dram import DRAMBackendSignature
 from .mem_common import addr_bits_for, word_bytes
 
-__all__ = ["NPUError", "Tag", "COUNTERS", "KV_SLOTS", "register_map", "sram_map", "loader_lanes", "o_lanes",
+__all__ = ["NPUError", "Tag", "COUNTERS", "register_map", "sram_map", "loader_lanes", "o_lanes",
            "o_chunk",
            "sim_config", "NPU",
            "NPU_MODULE", "npu_verilog"]
 
 NPU_MODULE = "flashnpu_npu"
 QUEUE_DEPTH = 4
-#: K/V slots of the SRAM map: a KV head whose kv tiles all fit stays resident
-#: (seq_kv <= KV_SLOTS * Bc); longer ones stream through slots 0 and 1
-KV_SLOTS = 16
 
 
 def o_chunk(config: NPUConfig) -> int:
@@ -303,7 +300,7 @@ def sram_map(config: NPUConfig) -> dict:
     writer's request width), ``row_bytes`` (one FP16 tile row), ``orow_bytes``
     (one FP32 O row), ``mrow_bytes`` (one mask row), ``q`` and ``q_half``
     (two Q regions at ``q`` and ``q + q_half``), ``o`` and ``o_half`` (two O
-    regions), ``kv`` (``slots`` = ``KV_SLOTS`` K/V slots of ``slot`` bytes,
+    regions), ``kv`` (``slots`` = ``config.kv_slots`` K/V slots of ``slot`` bytes,
     each [K tile | V tile | mask tile] at offsets 0, ``slot_v``, ``slot_m``;
     slots 0 and 1 are the DMA's ping-pong halves when K/V stream), ``mres``
     and ``mres_half`` (the resident mode's masks: two q-tile parities x
@@ -324,10 +321,10 @@ def sram_map(config: NPUConfig) -> dict:
     o_half = rup(config.br * orowb, A)
     kv = o + 2 * o_half
     slot = rup(2 * config.bc * rowb + config.br * mrow, A)
-    mres = kv + KV_SLOTS * slot
-    mres_half = KV_SLOTS * config.br * mrow
+    mres = kv + config.kv_slots * slot
+    mres_half = config.kv_slots * config.br * mrow
     return dict(W=W, LW=LW, OW=OW, row_bytes=rowb, orow_bytes=orowb, mrow_bytes=mrow,
-                q=q, q_half=q_half, o=o, o_half=o_half, kv=kv, slot=slot, slots=KV_SLOTS,
+                q=q, q_half=q_half, o=o, o_half=o_half, kv=kv, slot=slot, slots=config.kv_slots,
                 slot_v=config.bc * rowb, slot_m=2 * config.bc * rowb, mres=mres, mres_half=mres_half,
                 pp=kv, pp_half=slot, pp_v=config.bc * rowb, pp_m=2 * config.bc * rowb,
                 end=mres + 2 * mres_half)
@@ -471,7 +468,7 @@ class NPU(wiring.Component):
         wql = Signal(range(2 * mhd // LW + 2))     # loader requests per FP16 row
         wol = Signal(range(4 * mhd // OW + 2))     # O writer requests per FP32 row
         m.d.comb += [wql.eq((2 * hd + LW - 1) >> lwb), wol.eq((4 * hd + OW - 1) >> owb)]
-        slot_bits = max(1, ceil_log2(KV_SLOTS))
+        slot_bits = max(1, ceil_log2(cfg.kv_slots))
 
         # loop indices and per-tile values (issuer)
         kvh = Signal(16)
@@ -678,7 +675,7 @@ class NPU(wiring.Component):
                     m.d.sync += [state.eq(State.SETUP), kvh.eq(0), hg.eq(0), q0.eq(0),
                                  stacked.eq(seq_q == 1),
                                  od.eq((hd + C - 1) >> exact_log2(C)),
-                                 resident.eq(n_kv_need <= KV_SLOTS),
+                                 resident.eq(n_kv_need <= cfg.kv_slots),
                                  kv_loaded.eq(0), new_head.eq(1), head_base.eq(0)]
             with m.Case(State.SETUP):
                 # tile rows, head

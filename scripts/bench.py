@@ -34,7 +34,7 @@ from pathlib import Path
 from flashnpu.config import DEFAULT, NPUConfig
 
 from .energy import SOURCES, TERMS, EnergyTable, energy_of
-from .perf_model import KV_SLOTS, Job, RTLUnavailable, Timing, kv_tile_intensity, model, roofs
+from .perf_model import Job, RTLUnavailable, Timing, kv_tile_intensity, model, roofs
 
 SEQS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 SEQS_QUICK = (512, 1024, 2048)
@@ -566,7 +566,7 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
                           for r in seq]) + "\n")
     L.append("K/V reuse = each head's K and V loaded from DRAM once whenever they fit in half the SRAM "
              "(up to seq_len 4096 at d = 128). The default follows the RTL: resident only while a KV head's "
-             f"kv tiles fit the NPU's {KV_SLOTS} SRAM slots (seq_len <= {KV_SLOTS * cfg.bc} here), else "
+             f"kv tiles fit the NPU's {cfg.kv_slots} SRAM slots (seq_len <= {cfg.kv_slots * cfg.bc} here), else "
              "loaded once per q tile.\n")
     if res.get("seq_causal"):
         h, rr = key_table(res["seq_causal"])
@@ -599,7 +599,7 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
                       f"{tmr.qtile_ctrl_cycles} set-up cycles + one idle core cycle between q tiles "
                       "+ O writer waits"]]) + "\n")
     L.append("The NPU keeps each KV head's K/V tiles resident in SRAM slots (up to "
-             f"{KV_SLOTS} kv tiles: seq_kv <= {KV_SLOTS * cfg.bc} at this array; longer sequences stream K/V "
+             f"{cfg.kv_slots} kv tiles: seq_kv <= {cfg.kv_slots * cfg.bc} at this array; longer sequences stream K/V "
              "through two ping-pong halves for every q tile), has two Q and two O regions, and runs the "
              "controller one q tile ahead of the core. What stays in series with the MACs is the core's own "
              "per-q-tile phases, the first q tile's wait for Q and K_0 and the last q tile's O write-back "
@@ -630,7 +630,7 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
              f"{tmr.source(cfg, 128)}) and, per q tile, the init, reciprocal/normalisation and O read-out "
              f"({tmr.init_cycles(cfg, 128)} + {tmr.final_cycles(cfg, 128)} + {tmr.out_cycles(cfg, 128)} cycles); "
              f"once per job the first q tile's wait for Q and K_0 ({q1['start_stall']} cycles at d = 128) and "
-             f"the last O write-back ({q1['tail']}); and, when K/V stream (seq_kv > {KV_SLOTS * cfg.bc}), "
+             f"the last O write-back ({q1['tail']}); and, when K/V stream (seq_kv > {cfg.kv_slots * cfg.bc}), "
              "the DMA's share of the TSV link. "
              "Decode has a low "
              "intensity (one query row per head, a few rows per K/V group) and would be DRAM-bound on an "

@@ -49,7 +49,7 @@ Every ASSUMPTION is marked where it is made.  The main ones:
   executed and counted;
 * O is written back as FP32 (the core streams binary32 O);
 * the NPU's schedule (``hdl/npu.py``): K/V resident in SRAM slots when
-  ceil(seq_kv / Bc) <= ``KV_SLOTS`` (each kv tile fetched once per KV head,
+  ceil(seq_kv / Bc) <= ``config.kv_slots`` (each kv tile fetched once per KV head,
   whole), else streamed through two ping-pong halves for every q tile; two
   Q and two O regions, so a q tile follows the last one after one idle
   cycle of the core; one DMA engine at one bus word per cycle, a loader at
@@ -82,11 +82,7 @@ import numpy as np
 
 from flashnpu.config import DEFAULT, NPUConfig
 
-#: K/V slots of the NPU's SRAM map (``hdl.npu.KV_SLOTS``; the model does not
-#: import the RTL): a KV head with at most this many kv tiles stays resident
-KV_SLOTS = 16
-
-__all__ = ["KV_SLOTS", "Job", "Timing", "rtl_program_cycles", "Counters", "OpDetail", "ModelResult", "model", "RTL_COUNTER_FIELDS",
+__all__ = ["Job", "Timing", "rtl_program_cycles", "Counters", "OpDetail", "ModelResult", "model", "RTL_COUNTER_FIELDS",
            "rtl_counters", "rtl_counters_many", "rtl_core_counters", "RTLUnavailable", "counters_from_stats", "calibrate_timing", "kv_tile_intensity",
            "roofs", "useful_flops", "SPILL_LEVELS", "DESIGNS", "compare"]
 
@@ -591,7 +587,7 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     kv_reuse : bool or None
         None (default): as the RTL, each kv tile of a KV head is fetched
         once and stays in its SRAM slot when all of them fit
-        (ceil(seq_kv / Bc) <= ``KV_SLOTS``), else K/V stream through the
+        (ceil(seq_kv / Bc) <= ``config.kv_slots``), else K/V stream through the
         ping-pong halves for every q tile.  True: resident whenever K and V
         of one head fit half the SRAM; False: always streamed.
     timing : Timing, optional
@@ -702,7 +698,7 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     kv_unit_bytes = job.seq_kv * kv_row
     n_need = -(-job.seq_kv // bc)
     if kv_reuse is None:                          # as the RTL: resident when every kv tile has a slot
-        reuse = n_need <= KV_SLOTS
+        reuse = n_need <= config.kv_slots
     else:
         reuse = bool(kv_reuse) and kv_unit_bytes <= config.sram_bytes // 2
     q_dma = valid_rows * wq * W                   # per q tile

@@ -97,7 +97,7 @@ def test_prefill_utilization_and_dma_stalls():
     # 512 tokens: K/V resident, q tiles overlapped (results/npu.md measures >= 90 %)
     r = model(Job(1, 512, 512, 128))
     assert r.bytes_detail["kv_reused"] and 0.9 < r.mac_utilization < 0.95
-    # 2048 tokens (32 kv tiles > KV_SLOTS): K/V stream through the ping-pong
+    # 2048 tokens (32 kv tiles > config.kv_slots): K/V stream through the ping-pong
     # halves for every q tile on one DMA engine at one bus word per cycle,
     # about a pair's compute per kv tile: the core waits between pairs
     r = model(Job(1, 2048, 2048, 128))
@@ -164,7 +164,7 @@ def test_decode_stacks_query_heads_of_a_group():
 
 
 def test_kv_reuse_loads_each_head_once_when_it_fits():
-    job = Job(2, 1024, 1024, 128)     # 16 kv tiles: one KV_SLOTS slot each, as the RTL does
+    job = Job(2, 1024, 1024, 128)     # 16 kv tiles: one of the kv_slots slots each, as the RTL does
     r = model(job)
     assert r.bytes_detail["dram_kv"] == 2 * 2 * 1024 * 128 * 2
     assert model(job, kv_reuse=True).bytes_detail["dram_kv"] == r.bytes_detail["dram_kv"]
@@ -294,10 +294,9 @@ def test_model_matches_rtl_core_counters():
 def test_model_follows_the_npu_sram_map():
     """The model's K/V slot count and request widths are the RTL's."""
     from flashnpu.hdl import npu
-    from flashnpu.scripts import perf_model
-    assert perf_model.KV_SLOTS == npu.KV_SLOTS
     for cfg in (DEFAULT, SMALL, small_config(8, 8)):
         m = npu.sram_map(cfg)
+        assert m["slots"] == cfg.kv_slots
         assert (m["LW"], m["OW"]) == (2 * cfg.sram_bank_bytes, npu.o_lanes(cfg) * cfg.sram_bank_bytes)
         assert npu.o_chunk(cfg) == max(1, cfg.br // 4)
 
