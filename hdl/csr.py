@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from amaranth import Module, Signal
-from amaranth.lib import wiring
+from amaranth import Module, Shape, Signal, Value, unsigned
+from amaranth.lib import data, wiring
 from amaranth.lib.wiring import In, Out
 
 __all__ = ["Field", "Register", "RegisterMap", "CSRBank", "ACCESS_MODES"]
@@ -104,6 +104,21 @@ class Register:
     def unpack(self, word: int) -> dict:
         return {f.name: (word >> f.offset) & ((1 << f.width) - 1) for f in self.fields}
 
+    @property
+    def shape(self) -> "Shape | data.FlexibleLayout":
+        """Hardware shape of the register: ``unsigned(32)`` for a register
+        with the one implicit ``value`` field, otherwise a 32-bit
+        ``data.FlexibleLayout`` with one member per field at its offset, so
+        the RTL reads ``reg.field_name`` and never slices bits by hand."""
+        if [f.name for f in self.fields] == ["value"]:
+            return unsigned(32)
+        return data.FlexibleLayout(32, {f.name: data.Field(unsigned(f.width), f.offset) for f in self.fields})
+
+    @property
+    def init(self) -> "int | dict":
+        """Reset value in the form ``Signal(self.shape, init=...)`` takes."""
+        return self.reset if isinstance(self.shape, Shape) else self.unpack(self.reset)
+
 
 class RegisterMap:
     """An ordered collection of registers with word addresses.
@@ -165,10 +180,10 @@ class CSRBank(wiring.Component):
     r_en : In(1)            read strobe; ``r_data`` is valid in the next cycle
     r_data : Out(32)
 
-    Hardware side, per register (attributes of ``bank.regs[name]``):
-    ``rw``: ``value`` Out(32) (the stored word); ``ro``: ``status`` In(32);
-    ``w1p``: ``pulse`` Out(32) (one cycle); ``w1c``: ``set`` In(32) and
-    ``value`` Out(32).
+    Hardware side, per register (``bank.port(name, kind)``), each of the
+    register's ``shape`` (its fields by name, see ``Register.shape``):
+    ``rw``: ``value`` Out (the stored word); ``ro``: ``status`` In;
+    ``w1p``: ``pulse`` Out (one cycle); ``w1c``: ``set`` In and ``value`` Out.
     """
 
     def __init__(self, regmap: RegisterMap):
@@ -177,19 +192,24 @@ class CSRBank(wiring.Component):
                "r_en": In(1), "r_data": Out(32)}
         for r in regmap:
             if r.access == "rw":
-                sig[f"{r.name}__value"] = Out(32, init=r.reset)
+                sig[f"{r.name}__value"] = Out(r.shape, init=r.init)
             elif r.access == "ro":
-                sig[f"{r.name}__status"] = In(32)
+                sig[f"{r.name}__status"] = In(r.shape)
             elif r.access == "w1p":
-                sig[f"{r.name}__pulse"] = Out(32)
+                sig[f"{r.name}__pulse"] = Out(r.shape)
             else:
-                sig[f"{r.name}__set"] = In(32)
-                sig[f"{r.name}__value"] = Out(32)
+                sig[f"{r.name}__set"] = In(r.shape)
+                sig[f"{r.name}__value"] = Out(r.shape)
         super().__init__(sig)
 
-    def port(self, reg: str, kind: str) -> Signal:
-        """The hardware-side signal ``kind`` ('value', 'status', 'pulse', 'set') of ``reg``."""
+    def port(self, reg: str, kind: str):
+        """The hardware-side signal ``kind`` ('value', 'status', 'pulse', 'set')
+        of ``reg``: a ``data.View`` of the register's fields, or a 32-bit
+        ``Signal`` for a register without fields."""
         return getattr(self, f"{reg}__{kind}")
+
+    def _word(self, reg: str, kind: str) -> Value:
+        return Value.cast(self.port(reg, kind))
 
     def elaborate(self, platform):
         m = Module()
@@ -197,25 +217,25 @@ class CSRBank(wiring.Component):
         read_mux = 0
         for r in self.regmap:
             if r.access == "rw":
-                v = self.port(r.name, "value")
+                v = self._word(r.name, "value")
                 with m.If(self.w_en & hit[r.name]):
                     m.d.sync += v.eq(self.w_data)
                 read_val = v
             elif r.access == "ro":
-                read_val = self.port(r.name, "status")
+                read_val = self._word(r.name, "status")
             elif r.access == "w1p":
-                p = self.port(r.name, "pulse")
+                p = self._word(r.name, "pulse")
                 m.d.sync += p.eq(0)
                 with m.If(self.w_en & hit[r.name]):
                     m.d.sync += p.eq(self.w_data)
                 read_val = 0
             else:  # w1c
-                v = self.port(r.name, "value")
+                v = self._word(r.name, "value")
                 clear = Signal(32, name=f"{r.name}_clear")
                 m.d.comb += clear.eq(0)
                 with m.If(self.w_en & hit[r.name]):
                     m.d.comb += clear.eq(self.w_data)
-                m.d.sync += v.eq((v & ~clear) | self.port(r.name, "set"))
+                m.d.sync += v.eq((v & ~clear) | self._word(r.name, "set"))
                 read_val = v
             read_mux = hit[r.name].replicate(32) & read_val | read_mux
         with m.If(self.r_en):

@@ -152,15 +152,22 @@ _SOURCE_DIGEST: str | None = None
 # set by ``initial #0`` instead, after every process has started waiting.
 _YOSYS_TRIGGER = re.compile(r"^(\s*)reg (\\\$auto\$verilog_backend\.cc:\d+:dump_module\$\d+ ) = 0;$",
                             re.MULTILINE)
+# Yosys writes the constant bits of a partly process-driven ``reg`` (e.g. the
+# unused bits of an output port whose fields an FSM drives) as a one-line
+# ``always @*`` with no input and no trigger; under ``-g2012`` it never runs
+# and the bits stay X.  For Icarus it becomes an ``initial`` assignment.
+_CONST_PROCESS = re.compile(r"^(\s*)always @\*\n\s*([^\n;=]+?) = (\d+'h[0-9a-fA-F]+);$", re.MULTILINE)
 # Part of the build key of Icarus builds: bump when icarus_verilog() changes.
-_ICARUS_TEXT_VERSION = "trigger-initial-1"
+_ICARUS_TEXT_VERSION = "trigger-initial-2"
 
 
 def icarus_verilog(text: str) -> str:
     """``text`` with Yosys' ``always @*`` time-0 trigger made an event under
-    ``iverilog -g2012`` (see ``_YOSYS_TRIGGER``); the logic is unchanged."""
-    return _YOSYS_TRIGGER.sub(lambda mo: f"{mo.group(1)}reg {mo.group(2)};\n"
+    ``iverilog -g2012`` (see ``_YOSYS_TRIGGER``) and constant-only ``always
+    @*`` blocks made ``initial`` (``_CONST_PROCESS``); the logic is unchanged."""
+    text = _YOSYS_TRIGGER.sub(lambda mo: f"{mo.group(1)}reg {mo.group(2)};\n"
                                          f"{mo.group(1)}initial #0 {mo.group(2)}= 1'h0;", text)
+    return _CONST_PROCESS.sub(lambda mo: f"{mo.group(1)}initial {mo.group(2)} = {mo.group(3)};", text)
 
 
 def _get_runner(sim: str, main_cpp: Path | None = None, vvp_format: str | None = None):

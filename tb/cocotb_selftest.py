@@ -25,6 +25,7 @@ async def idle_ready_is_defined(dut):
     dut.go.value = 0
     await Timer(1, unit="ns")
     assert str(dut.ready.value) == "1", f"ready = {dut.ready.value} at time 0"
+    assert str(dut.flags.value) == "00000001", f"flags = {dut.flags.value} at time 0"
     cocotb.start_soon(Clock(dut.clk, 1, unit="ns").start())
     dut.rst.value = 1
     await ClockCycles(dut.clk, 2)

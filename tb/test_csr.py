@@ -12,6 +12,7 @@ def make_map():
     rm.add(Register("base", "rw", reset=0x100))
     rm.add(Register("status", "ro", [Field("busy", 1), Field("error", 8, 8)]))
     rm.add(Register("irq", "w1c", [Field("done", 1)]))
+    rm.add(Register("len", "rw", [Field("n", 16, 0), Field("flag", 1, 20)], reset=0xFFFF))
     return rm
 
 
@@ -39,17 +40,21 @@ def test_bank_access_modes():
         await write("base", 0xDEADBEEF)
         assert ctx.get(dut.port("base", "value")) == 0xDEADBEEF
         assert await read("base") == 0xDEADBEEF
-        ctx.set(dut.port("status", "status"), rm["status"].pack(busy=1, error=7))
+        assert await read("len") == 0xFFFF                  # reset of a register with fields
+        assert ctx.get(dut.port("len", "value")) == {"n": 0xFFFF, "flag": 0}
+        await write("len", (1 << 20) | 5)
+        assert (ctx.get(dut.port("len", "value")).n, ctx.get(dut.port("len", "value")).flag) == (5, 1)
+        ctx.set(dut.port("status", "status"), {"busy": 1, "error": 7})
         assert rm["status"].unpack(await read("status")) == dict(busy=1, error=7)
         await write("status", 0)                            # ignored
         await write("ctrl", 1)
-        seen["pulse"] = ctx.get(dut.port("ctrl", "pulse"))
+        seen["pulse"] = ctx.get(dut.port("ctrl", "pulse")).start
         await ctx.tick()
-        seen["after"] = ctx.get(dut.port("ctrl", "pulse"))
+        seen["after"] = ctx.get(dut.port("ctrl", "pulse")).start
         assert await read("ctrl") == 0
-        ctx.set(dut.port("irq", "set"), 1)
+        ctx.set(dut.port("irq", "set"), {"done": 1})
         await ctx.tick()
-        ctx.set(dut.port("irq", "set"), 0)
+        ctx.set(dut.port("irq", "set"), {"done": 0})
         assert await read("irq") == 1                       # sticky
         await write("irq", 1)
         assert await read("irq") == 0
@@ -64,7 +69,7 @@ def test_bank_access_modes():
 def test_map_export_and_errors():
     rm = make_map()
     d = rm.to_dict()
-    assert [r["address"] for r in d["registers"]] == [0, 4, 8, 12]
+    assert [r["address"] for r in d["registers"]] == [0, 4, 8, 12, 16]
     assert d["registers"][2]["fields"][1] == dict(name="error", offset=8, width=8, doc="")
     with pytest.raises(ValueError, match="'base' is used twice"):
         rm.add(Register("base", "rw"))

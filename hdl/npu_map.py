@@ -1,0 +1,270 @@
+"""What the NPU's blocks share: the host's CSR memory map, the SRAM map, the
+job error codes, the DMA descriptor tags, and the layouts of the streams
+between the blocks that ``hdl/npu.py`` composes.
+
+Every number here is defined once; the RTL blocks, the host testbench, the
+driver and the performance model read it from this file (or from
+``NPUConfig``), never retype it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from amaranth.lib import data
+from amaranth.utils import ceil_log2
+
+from flashnpu.config import NPUConfig
+
+from .core import cmd_layout
+from .csr import Field, Register, RegisterMap
+from .dma import descriptor_layout
+from .mem_common import word_bytes
+
+__all__ = ["NPU_MODULE", "QUEUE_DEPTH", "WATCHDOG_DEFAULT", "O_TILES", "COUNT_BITS", "LEN_BITS",
+           "NPUError", "Tag", "COUNTERS", "DESC_REGS", "JOB_REGS", "register_map", "tsv_lane_bits",
+           "loader_lanes", "o_lanes", "o_chunk", "sram_map", "sim_config",
+           "job_layout", "qtile_layout", "otile_layout"]
+
+NPU_MODULE = "flashnpu_npu"
+#: DMA descriptor queue depth: the controller keeps at most this many
+#: descriptors outstanding (its credit), so the DMA never answers QUEUE_FULL
+QUEUE_DEPTH = 4
+#: reset value of the ``watchdog`` register (cycles without DMA progress)
+WATCHDOG_DEFAULT = 1 << 20
+#: q tiles handed to the core whose O write-back has not been issued yet
+#: (entries of the O writer's destination table)
+O_TILES = 4
+#: width of the job-wide counts of q tiles, descriptors and completions
+COUNT_BITS = 32
+#: width of the job's head counts, sequence lengths, head_dim and
+#: kv_valid_len in the CSRs (and of the kv-tile count in the core command)
+LEN_BITS = 16
+
+
+class NPUError(enum.IntEnum):
+    """Job error codes (``status.error``), written once; the driver uses this enum."""
+    OK = 0
+    BAD_HEAD_DIM = 1      #: head_dim == 0 or > max_head_dim
+    ZERO_LENGTH = 2       #: heads, kv_heads, seq_q or seq_kv is 0
+    BAD_HEADS = 3         #: heads % kv_heads != 0
+    MISALIGNED = 4        #: a base or stride is not a multiple of the bus word
+    BAD_STRIDE = 5        #: O rows overlap (row/head stride < 4*head_dim)
+    RANGE = 6             #: a tensor reaches outside DRAM
+    LINK_DOWN = 7         #: a TSV link is not OK (run its self-test)
+    DMA = 8               #: a DMA completion carried an error (see status.dma_code)
+    QUEUE_OVERFLOW = 9    #: a descriptor was refused: queue full
+    WATCHDOG = 10         #: the DMA made no progress for ``watchdog`` cycles
+    BUF_OVERWRITE = 11    #: a tile-buffer write into a half the core still holds
+    CORE_REJECT = 12      #: the core refused a q-tile command
+    REG_UNWRITTEN = 13    #: a PE register was read before it was written (see ``reg_check``)
+
+
+class Tag(enum.IntEnum):
+    """DMA descriptor tags used by the controller and the O writer."""
+    Q = 0
+    K = 1
+    V = 2
+    M = 3
+    O = 4           #: the last (or only) O write-back descriptor of a q tile
+    OP = 5          #: an earlier O write-back chunk (``o_chunk`` rows)
+
+
+#: performance counters, 64 bit each (``cnt_<name>_lo`` / ``_hi``), names of
+#: ``scripts.perf_model.Counters``
+COUNTERS = ("total_cycles", "mac_busy_cycles", "softmax_cycles", "dma_stall_cycles",
+            "reg_bytes", "sram_bytes", "tsv_bytes", "dram_bytes",
+            "mac_ops", "exp2_ops", "recip_ops", "q_tiles", "kv_tiles")
+
+#: DRAM byte addresses and strides of a job's tensors
+DESC_REGS = ("q_base", "k_base", "v_base", "o_base", "mask_base",
+             "q_head_stride", "q_row_stride", "k_head_stride", "k_row_stride",
+             "v_head_stride", "v_row_stride", "o_head_stride", "o_row_stride",
+             "mask_head_stride", "mask_tile_stride")
+
+#: the registers that describe a job (the controller's inputs)
+JOB_REGS = ("heads", "seq", "head_dim", "flags", "kv_valid_len", "scale_c", "debug") + DESC_REGS
+
+
+def register_map(config: NPUConfig) -> RegisterMap:
+    """The NPU's memory map (one source for the RTL bank and the host driver).
+
+    Each register's fields become its hardware shape (``Register.shape``),
+    so the RTL reads them by name.
+    """
+    rm = RegisterMap("flashnpu_npu")
+    rm.add(Register("ctrl", "w1p", [Field("start", 1, 0, "start the programmed job")]))
+    rm.add(Register("status", "ro", [Field("busy", 1, 0), Field("done", 1, 1, "last job finished"),
+                                     Field("error", 8, 8, "NPUError of the last job"),
+                                     Field("dma_code", 8, 16, "DMAError when error == DMA"),
+                                     Field("state", 5, 24, "controller state")]))
+    rm.add(Register("irq", "w1c", [Field("done", 1, 0, "job finished (ok or error)"),
+                                   Field("error", 1, 1, "job finished with an error")]))
+    for name in DESC_REGS:
+        rm.add(Register(name, "rw", doc="DRAM byte address / stride in bytes (multiple of the bus word)"))
+    L = LEN_BITS
+    rm.add(Register("heads", "rw", [Field("heads", L, 0), Field("kv_heads", L, 16)]))
+    rm.add(Register("seq", "rw", [Field("seq_q", L, 0), Field("seq_kv", L, 16)]))
+    rm.add(Register("head_dim", "rw", [Field("head_dim", L, 0)]))
+    rm.add(Register("flags", "rw", [Field("causal", 1, 0), Field("mask_en", 1, 1)]))
+    rm.add(Register("kv_valid_len", "rw", [Field("kv_valid_len", L, 0, "keys >= it are invisible")],
+                    reset=(1 << L) - 1))
+    rm.add(Register("scale_c", "rw", doc="binary32 bits of numerics.scale_log2e(scale)"))
+    rm.add(Register("watchdog", "rw", doc="DMA no-progress limit in cycles", reset=WATCHDOG_DEFAULT))
+    rm.add(Register("debug", "rw", [Field("inject_double_q", 1, 0, "load the Q tile twice (tests)"),
+                                    Field("no_queue_limit", 1, 1, "ignore the descriptor credit (tests)"),
+                                    Field("inject_skip_init", 1, 2,
+                                          "the core's INIT program issues NOPs: m_i, l_i, O_acc unwritten (tests)"),
+                                    Field("inject_drop_s_write", 1, 3,
+                                          "kv tile 1's first S step issues a NOP: S(0, 0) unwritten (tests)")]))
+    rm.add(Register("reg_check", "ro", [Field("reg", 12, 0, "PE register index (core.register_name)"),
+                                        Field("phase", 4, 12, "core Phase of the reading step"),
+                                        Field("tile", 16, 16, "kv tile of the reading step")],
+                    doc="the first PE register read before it was written (error REG_UNWRITTEN)"))
+    rm.add(Register("tsv_ctl", "w1p", [Field("bist_rd", 1, 0), Field("bist_wr", 1, 1),
+                                       Field("repair_we", 1, 2, "write tsv_repair into a map")]))
+    rm.add(Register("tsv_repair", "rw", [Field("idx", 8, 0), Field("lane", 16, 8), Field("valid", 1, 24),
+                                         Field("link", 1, 25, "0 = read link, 1 = write link")]))
+    lb = tsv_lane_bits(config)
+    for link in ("rd", "wr"):
+        rm.add(Register(f"tsv_fault_{link}", "rw",
+                        [Field("lanes", 16, 0, "bit i: physical lane base + i is faulty"),
+                         Field("base", lb, 16, "first physical lane (spare s = tsv_data_lanes + s)"),
+                         Field("stuck", 1, 16 + lb, "value the faulty lanes are stuck at")],
+                        doc=f"test-only stuck-at faults on the TSV {link} link (run its self-test after)"))
+    rm.add(Register("tsv_status", "ro", [Field("rd_status", 4, 0), Field("wr_status", 4, 4),
+                                         Field("rd_ok", 1, 8), Field("wr_ok", 1, 9)]))
+    for link in ("rd", "wr"):
+        for i in range(tsv_map_regs(config)):
+            rm.add(Register(f"tsv_{link}_map{i}", "ro",
+                            [Field("e0_lane", 15, 0), Field("e0_valid", 1, 15),
+                             Field("e1_lane", 15, 16), Field("e1_valid", 1, 31)]))
+    for name in COUNTERS:
+        rm.add(Register(f"cnt_{name}_lo", "ro"))
+        rm.add(Register(f"cnt_{name}_hi", "ro"))
+    return rm
+
+
+def tsv_lane_bits(config: NPUConfig) -> int:
+    """Width of a physical TSV lane index (data + spare lanes) in ``tsv_fault_*``.
+
+    Raises ``ValueError`` when the fields do not fit one 32-bit register.
+    """
+    nl = config.tsv_data_lanes + config.tsv_spare_lanes
+    lb = max(1, (nl - 1).bit_length())
+    if 16 + lb + 1 > 32:
+        raise ValueError(f"tsv_fault_* cannot address {nl} TSV lanes in one register")
+    return lb
+
+
+def tsv_map_regs(config: NPUConfig) -> int:
+    """``tsv_<link>_map<i>`` registers per link: two repair-map entries each."""
+    return (config.tsv_spare_lanes + 1) // 2
+
+
+def loader_lanes(config: NPUConfig) -> int:
+    """Bus words per SRAM request of the tile loader (2: the core takes a
+    K and a V tile, 2*Bc*2*head_dim bytes, per ~2*Bc*head_dim/C cycles,
+    just under one word per cycle at d = 128 on 32 x 32)."""
+    return min(2, config.sram_banks)
+
+
+def o_lanes(config: NPUConfig) -> int:
+    """Bus words per SRAM write of the O writer: C FP32 lanes per core beat
+    (4 words at 32 x 32), rounded up to a power of two, at most the bank count."""
+    need = -(-4 * config.array_cols // word_bytes(config))
+    return min(config.sram_banks, 1 << ceil_log2(max(1, need)))
+
+
+def o_chunk(config: NPUConfig) -> int:
+    """Rows per O write-back descriptor (Br / 4): the write-back of a q tile
+    starts while the core still streams its later rows."""
+    return max(1, config.br // 4)
+
+
+def sram_map(config: NPUConfig) -> dict:
+    """SRAM regions in bytes.
+
+    Returns a dict: ``W`` (bus word), ``LW`` / ``OW`` (the loader's / the O
+    writer's request width), ``row_bytes`` (one FP16 tile row), ``orow_bytes``
+    (one FP32 O row), ``mrow_bytes`` (one mask row), ``q`` and ``q_half``
+    (two Q regions at ``q`` and ``q + q_half``), ``o`` and ``o_half`` (two O
+    regions), ``kv`` (``slots`` = ``config.kv_slots`` K/V slots of ``slot`` bytes,
+    each [K tile | V tile | mask tile] at offsets 0, ``slot_v``, ``slot_m``;
+    slots 0 and 1 are the DMA's ping-pong halves when K/V stream), ``mres``
+    and ``mres_half`` (the resident mode's masks: two q-tile parities x
+    ``slots`` mask tiles), ``pp``/``pp_half``/``pp_v``/``pp_m`` (the
+    ping-pong window, = slots 0 and 1) and ``end`` (bytes used).
+    """
+    W = word_bytes(config)
+    LW = loader_lanes(config) * W
+    OW = o_lanes(config) * W
+    A = max(LW, OW)
+
+    def rup(n, a):
+        return -(-n // a) * a
+
+    rowb = rup(2 * config.max_head_dim, LW)
+    orowb = rup(4 * config.max_head_dim, OW)
+    mrow = LW
+    q = 0
+    q_half = rup(config.br * rowb, A)
+    o = 2 * q_half
+    o_half = rup(config.br * orowb, A)
+    kv = o + 2 * o_half
+    slot = rup(2 * config.bc * rowb + config.br * mrow, A)
+    mres = kv + config.kv_slots * slot
+    mres_half = config.kv_slots * config.br * mrow
+    return dict(W=W, LW=LW, OW=OW, row_bytes=rowb, orow_bytes=orowb, mrow_bytes=mrow,
+                q=q, q_half=q_half, o=o, o_half=o_half, kv=kv, slot=slot, slots=config.kv_slots,
+                slot_v=config.bc * rowb, slot_m=2 * config.bc * rowb, mres=mres, mres_half=mres_half,
+                pp=kv, pp_half=slot, pp_v=config.bc * rowb, pp_m=2 * config.bc * rowb,
+                end=mres + 2 * mres_half)
+
+
+def sim_config(config: NPUConfig) -> NPUConfig:
+    """``config`` with the smallest power-of-two ``sram_bytes`` that holds the
+    NPU's SRAM map (the 4 MiB default makes a slow build and changes no
+    result; the golden model does not use ``sram_bytes``)."""
+    need = sram_map(config)["end"]
+    unit = config.sram_banks * config.sram_bank_bytes
+    return config.replace(sram_bytes=max(unit, 1 << ceil_log2(need)))
+
+
+# ----------------------------------------------------------------- block interfaces
+def job_layout(config: NPUConfig) -> data.StructLayout:
+    """What the datapath blocks (tile loader, O writer) need to know about the
+    running job, driven by the controller: ``head_dim`` and ``mask_en`` (from
+    the CSRs), ``od`` (O columns per PE, ceil(head_dim / C)) and ``resident``
+    (every kv tile of a KV head has an SRAM slot), both set when the job
+    passes its checks, and ``double_q`` (``debug.inject_double_q``)."""
+    return data.StructLayout({
+        "head_dim": LEN_BITS, "mask_en": 1, "double_q": 1, "resident": 1,
+        "od": range(config.o_cols_per_pe(config.max_head_dim) + 1),
+    })
+
+
+def qtile_layout(config: NPUConfig) -> data.StructLayout:
+    """A q tile handed from the controller to the tile loader.
+
+    ``region`` Q region (and resident-mask parity) of the tile (its index % 2),
+    ``nq`` valid query rows, ``n_kv`` kv tiles the core runs, ``kv_end`` keys
+    to load (the last visible key + 1), ``k_base`` / ``m_base`` K/V tile
+    pairs / mask tiles issued before this tile's first one (the DMA
+    completion counts its tiles wait for), ``seq`` q tiles handed over before
+    it (the Q completion it waits for).
+    """
+    return data.StructLayout({
+        "region": 1, "nq": range(config.br + 1), "n_kv": cmd_layout(config)["n_kv"].shape,
+        "kv_end": LEN_BITS + 1, "k_base": COUNT_BITS, "m_base": COUNT_BITS, "seq": COUNT_BITS,
+    })
+
+
+def otile_layout(config: NPUConfig) -> data.StructLayout:
+    """Where a q tile's O goes, handed from the controller to the O writer:
+    ``nq`` valid rows, ``dst`` DRAM byte address of its first row, ``stride``
+    bytes between its rows."""
+    return data.StructLayout({
+        "nq": range(config.br + 1), "dst": descriptor_layout["dst"].shape,
+        "stride": descriptor_layout["dst_stride"].shape,
+    })
