@@ -30,7 +30,7 @@ K/V tile loads while this one computes.
 
 Where each box is built (``Core.elaborate`` composes them in this order):
 
-* buffers and ``full`` flags: ``Core._tile_buffers``;
+* buffers and ``full`` flags: ``tilebuf.TileBuffers`` (a component);
 * ROM programs: ``Core._rom`` (contents from ``init_program``,
   ``softmax_program``, ``final_program``);
 * sequencer: ``Core._sequencer`` (registers, status, return-register
@@ -86,6 +86,7 @@ from flashnpu.config import NPUConfig
 
 from .array import PeArray, module_texts
 from .pe import PeOp, RegMap, TreeOp, _bits, ctl_layout
+from .tilebuf import BufSel, TileBuffers, _onehot, write_layout
 
 __all__ = ["BufSel", "Phase", "PausePoint", "Inject", "cmd_layout", "write_layout", "out_layout",
            "rom_layout", "init_program", "softmax_program", "final_program", "Core",
@@ -98,16 +99,6 @@ CORE_MODULE = "flashnpu_core"
 #: fields of the NPU's job registers.  The kv tile index and the visibility
 #: arithmetic derive from it.
 LEN_BITS = 16
-
-
-class BufSel(enum.IntEnum):
-    """Tile buffer selected by a row write (bit index in ``full``)."""
-    Q = 0
-    K0 = 1
-    V0 = 2
-    K1 = 3
-    V1 = 4
-    MASK = 5
 
 
 class Phase(enum.IntEnum):
@@ -192,17 +183,6 @@ def cmd_layout(config: NPUConfig) -> data.StructLayout:
         "head_dim": LEN_BITS, "n_kv": LEN_BITS, "c": 32, "causal": 1, "q_row0": LEN_BITS,
         "seq_q": LEN_BITS, "seq_kv": LEN_BITS, "kv_valid_len": LEN_BITS, "mask_en": 1,
         "pause": len(PausePoint),
-    })
-
-
-def write_layout(config: NPUConfig) -> data.StructLayout:
-    """Row write into a tile buffer: ``sel`` (BufSel), ``row`` (0..Br-1 for
-    Q/mask, 0..Bc-1 for K/V), ``last`` (the buffer is full after this row),
-    ``data`` (max_head_dim FP16 lanes, lane 0 = bits 0..15; a mask row uses
-    bits 0..Bc-1)."""
-    return data.StructLayout({
-        "sel": BufSel, "row": range(max(config.br, config.bc)), "last": 1,
-        "data": data.ArrayLayout(16, config.max_head_dim),
     })
 
 
@@ -306,10 +286,6 @@ def final_program(config: NPUConfig) -> list:
     return prog
 
 
-def _onehot(v, width):
-    return (Const(1, width) << v)[0:width]
-
-
 class Core(wiring.Component):
     """FlashAttention compute core for one q tile at a time.
 
@@ -389,11 +365,12 @@ class Core(wiring.Component):
         # ------------------------------------------------------------ command
         cmd = Signal(cmd_layout(cfg))
         od = Signal(range(self.regs.od + 1))   # O columns per PE for this head_dim
-        full = Signal(len(BufSel))
         release = Signal(len(BufSel))
-        m.d.comb += self.full.eq(full)
+        m.submodules.bufs = bufs = TileBuffers(cfg)
+        wiring.connect(m, wiring.flipped(self.wr), bufs.wr)
+        full = bufs.full
+        m.d.comb += [self.full.eq(full), bufs.release.eq(release)]
 
-        bufs = self._tile_buffers(m, full, release)
         pc, word, base = self._rom(m)
         s = self._sequencer(m, arr, cmd, od, full, release, pc, word, base)
         in_out = self._readout(m, s, arr)
@@ -401,58 +378,6 @@ class Core(wiring.Component):
         self._register_check(m, s, arr, ctl_d, in_out)
         self._counters(m, s, ctl_d)
         return m
-
-    # ----------------------------------------------------------- tile buffers
-    def _tile_buffers(self, m, full, release):
-        """The ``wr`` stream's row writes into the Q, K0/K1, V0/V1 and mask
-        buffers and the ``full`` flags (set by a ``last`` row, cleared by
-        ``release``).  Returns the synchronous read ports ``(qmem, kmem,
-        mmem, vmem)``: one Q and one mask port per PE row, one K port per PE
-        column, one V port."""
-        cfg = self.config
-        R, C, Bc = cfg.array_rows, cfg.array_cols, cfg.bc
-        wr, wc = self.regs.wr, self.regs.wc
-        lanes = 16 * cfg.max_head_dim   # tile rows are stored as flat words (lane 0 = bits 0..15)
-        wdata = self.wr.payload.data.as_value()
-        w = self.wr.payload
-        m.d.comb += self.wr.ready.eq(1)
-        wvalid = self.wr.valid
-        with m.If(wvalid & w.last):
-            m.d.sync += full.eq((full & ~release) | _onehot(w.sel, len(BufSel)))
-        with m.Else():
-            m.d.sync += full.eq(full & ~release)
-
-        qmem, kmem, mmem = [], [], []
-        for r in range(R):
-            mem = Memory(shape=lanes, depth=wr, init=[])
-            m.submodules[f"qbuf{r}"] = mem
-            wp = mem.write_port()
-            hit = (w.row >= wr * r) & (w.row < wr * (r + 1))
-            m.d.comb += [wp.addr.eq(w.row - wr * r), wp.data.eq(wdata),
-                         wp.en.eq(wvalid & hit & (w.sel == BufSel.Q))]
-            qmem.append(mem.read_port(domain="sync"))
-            mm = Memory(shape=Bc, depth=wr, init=[])
-            m.submodules[f"mbuf{r}"] = mm
-            wp = mm.write_port()
-            m.d.comb += [wp.addr.eq(w.row - wr * r), wp.data.eq(wdata[0:Bc]),
-                         wp.en.eq(wvalid & hit & (w.sel == BufSel.MASK))]
-            mmem.append(mm.read_port(domain="sync"))
-        for c in range(C):
-            mem = Memory(shape=lanes, depth=2 * wc, init=[])
-            m.submodules[f"kbuf{c}"] = mem
-            wp = mem.write_port()
-            hit = (w.row >= wc * c) & (w.row < wc * (c + 1))
-            half = w.sel == BufSel.K1
-            m.d.comb += [wp.addr.eq(Mux(half, wc, 0) + w.row - wc * c), wp.data.eq(wdata),
-                         wp.en.eq(wvalid & hit & ((w.sel == BufSel.K0) | half))]
-            kmem.append(mem.read_port(domain="sync"))
-        m.submodules.vbuf = vmem_ = Memory(shape=lanes, depth=2 * Bc, init=[])
-        wp = vmem_.write_port()
-        vhalf = w.sel == BufSel.V1
-        m.d.comb += [wp.addr.eq(Mux(vhalf, Bc, 0) + w.row), wp.data.eq(wdata),
-                     wp.en.eq(wvalid & ((w.sel == BufSel.V0) | vhalf))]
-        vmem = vmem_.read_port(domain="sync")
-        return qmem, kmem, mmem, vmem
 
     # ------------------------------------------------------------ ROM programs
     def _rom(self, m):
@@ -748,22 +673,18 @@ class Core(wiring.Component):
 
     # ----------------------------------------------------------------- operands
     def _operands(self, m, s, arr, bufs):
-        """Operand fetch (tile-buffer addresses of the issued step), the
+        """Operand fetch (``bufs`` read addresses of the issued step), the
         operand stage one cycle later (control word register, Q/K/V lanes
         onto the array's buses) and the visibility bits.  Returns ``ctl_d``,
         the control word the array executes this cycle."""
         cfg = self.config
         R, C, Bc = cfg.array_rows, cfg.array_cols, cfg.bc
         wr, wc, odm = self.regs.wr, self.regs.wc, self.regs.od
-        qmem, kmem, mmem, vmem = bufs
-        cmd, od, half = s.cmd, s.od, s.half
+        cmd, od = s.cmd, s.od
         iss, iss_a, iss_b, iss_k, iss_n, iss_kc = s.iss, s.iss_a, s.iss_b, s.iss_k, s.iss_n, s.iss_kc
         # --------------------------------------------- operand fetch (issue)
-        for r in range(R):
-            m.d.comb += [qmem[r].addr.eq(iss_a), mmem[r].addr.eq(iss_a)]
-        for c in range(C):
-            m.d.comb += kmem[c].addr.eq(Mux(half, wc, 0) + iss_b)
-        m.d.comb += vmem.addr.eq(Mux(half, Bc, 0) + iss_k)
+        m.d.comb += [bufs.half.eq(s.half), bufs.q_row.eq(iss_a), bufs.k_row.eq(iss_b),
+                     bufs.v_row.eq(iss_k)]
 
         # ------------------------------------- operand stage (issue + 1 cycle)
         # One register stage for the control word and the step indices, so
@@ -778,13 +699,13 @@ class Core(wiring.Component):
                      kc_d.eq(iss_kc)]
         m.d.comb += [arr.ctl.eq(ctl_d), arr.psel.eq(kc_d), arr.cst.eq(cmd.c)]
         for r in range(R):
-            m.d.comb += arr.row_a16[r].eq(qmem[r].data.word_select(k_d, 16))
+            m.d.comb += arr.row_a16[r].eq(bufs.q_data[r].word_select(k_d, 16))
         hd = cmd.head_dim
         for c in range(C):
             lane = Signal(range(odm * C + 1), name=f"vlane{c}")
             m.d.comb += lane.eq(od * c + n_d)
-            vval = Mux(lane < hd, vmem.data.word_select(lane, 16), 0)
-            m.d.comb += arr.col_b16[c].eq(Mux(ctl_d.pv, vval, kmem[c].data.word_select(k_d, 16)))
+            vval = Mux(lane < hd, bufs.v_data.word_select(lane, 16), 0)
+            m.d.comb += arr.col_b16[c].eq(Mux(ctl_d.pv, vval, bufs.k_data[c].word_select(k_d, 16)))
         # visibility: i = q_row0 + wr r + a, j = kv0 + wc c + b
         #   row valid: i < seq_q; key valid: j < seq_kv and j < kv_valid_len;
         #   causal (bottom-right): j + seq_q <= i + seq_kv; mask bit.
@@ -810,7 +731,7 @@ class Core(wiring.Component):
             m.d.comb += [i.eq(cmd.q_row0 + wr * r + a_d), lim.eq(i + cmd.seq_kv),
                          row_ok.eq(i < cmd.seq_q)]
             # mask bits of this step (column b_d of every PE), all ones when off
-            by_b = Array([Cat(*[mmem[r].data[c * wc + bb] for c in range(C)]) for bb in range(wc)])
+            by_b = Array([Cat(*[bufs.m_data[r][c * wc + bb] for c in range(C)]) for bb in range(wc)])
             m.d.comb += mrow.eq(by_b[b_d] | Mux(cmd.mask_en, 0, (1 << C) - 1))
             for c in range(C):
                 causal_ok = not_causal | (col_jq[c] <= lim)
