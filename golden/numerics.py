@@ -56,11 +56,12 @@ __all__ = [
     "F32_MIN_NORMAL", "daz", "ftz", "add32", "sub32", "mul32", "mac", "max32",
     "exp2", "exp2_bits", "recip32", "to_fp16", "scale_log2e", "tree_reduce",
     "EXP2_TABLE", "EXP2_FRAC_BITS", "EXP2_INDEX_BITS", "bits32", "from_bits32",
-    "NAN32_BITS",
+    "NAN32_BITS", "ONE32_BITS",
 ]
 
 F32_MIN_NORMAL = np.float32(2.0 ** -126)
 NAN32_BITS = 0x7FC00000
+ONE32_BITS = 0x3F800000        # binary32 1.0
 
 # exp2 table: T[i] = round(2^(i/256) * 2^23), i = 0..256 (24-bit unsigned).
 EXP2_INDEX_BITS = 8
@@ -176,7 +177,7 @@ def exp2_bits(x_bits) -> np.ndarray:
     out = ((n + 127) << 23) | (mant - (1 << 23))
     out = np.where(n < -126, 0, out)
     out = np.where(too_small, 0, out)
-    out = np.where(is_zero | (sign == 0), 0x3F800000, out)
+    out = np.where(is_zero | (sign == 0), ONE32_BITS, out)
     out = np.where(is_nan, NAN32_BITS, out)
     return out.astype(np.uint32)
 

@@ -28,6 +28,20 @@ K/V tile loads while this one computes.
             │                                         ▲ vis (row/col compare)
             └─► counters, status, pause            rd_data ─► o stream / dbg
 
+Where each box is built (``Core.elaborate`` composes them in this order):
+
+* buffers and ``full`` flags: ``tilebuf.TileBuffers`` (a component);
+* ROM programs: ``Core._rom`` (contents from ``init_program``,
+  ``softmax_program``, ``final_program``);
+* sequencer: ``Core._sequencer`` (registers, status, return-register
+  scoreboard, test-only faults) and ``Core._phase_fsm`` (one case per
+  ``Phase``: S loop, programs, PV loop, waits, pauses);
+* feeder addresses, ctl register, operand buses and vis:
+  ``Core._operands``;
+* PE ``sa`` port, o stream and dbg: ``Core._readout``;
+* register check: ``Core._register_check``; counters: ``Core._counters``;
+* PeArray: ``array.PeArray``.
+
 Pipeline: the sequencer *issues* a step in cycle t (tile-buffer and PE
 read addresses); the operands come out of synchronous reads in cycle t+1,
 when the control word (registered once) reaches the PEs.
@@ -60,7 +74,9 @@ kv tile; the debug port's reads are not checked.
 from __future__ import annotations
 
 import enum
+from types import SimpleNamespace
 
+from amaranth.back import verilog
 from amaranth.hdl import Array, Cat, Const, Module, Mux, Signal
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.memory import Memory
@@ -70,22 +86,19 @@ from flashnpu.config import NPUConfig
 
 from .array import PeArray, module_texts
 from .pe import PeOp, RegMap, TreeOp, _bits, ctl_layout
+from .tilebuf import BufSel, TileBuffers, _onehot, write_layout
 
 __all__ = ["BufSel", "Phase", "PausePoint", "Inject", "cmd_layout", "write_layout", "out_layout",
            "rom_layout", "init_program", "softmax_program", "final_program", "Core",
-           "core_verilog", "CORE_MODULE", "RF_USE", "tile_registers", "register_name"]
+           "core_verilog", "CORE_MODULE", "LEN_BITS", "RF_USE", "tile_registers", "register_name"]
 
 CORE_MODULE = "flashnpu_core"
 
-
-class BufSel(enum.IntEnum):
-    """Tile buffer selected by a row write (bit index in ``full``)."""
-    Q = 0
-    K0 = 1
-    V0 = 2
-    K1 = 3
-    V1 = 4
-    MASK = 5
+#: Width of the command's lengths, positions and counts (``head_dim``,
+#: ``n_kv``, ``q_row0``, ``seq_q``, ``seq_kv``, ``kv_valid_len``): the 16-bit
+#: fields of the NPU's job registers.  The kv tile index and the visibility
+#: arithmetic derive from it.
+LEN_BITS = 16
 
 
 class Phase(enum.IntEnum):
@@ -167,19 +180,9 @@ def cmd_layout(config: NPUConfig) -> data.StructLayout:
     tile), pause (PausePoint bit mask: stop there until ``resume``).
     """
     return data.StructLayout({
-        "head_dim": 16, "n_kv": 16, "c": 32, "causal": 1, "q_row0": 16, "seq_q": 16,
-        "seq_kv": 16, "kv_valid_len": 16, "mask_en": 1, "pause": 3,
-    })
-
-
-def write_layout(config: NPUConfig) -> data.StructLayout:
-    """Row write into a tile buffer: ``sel`` (BufSel), ``row`` (0..Br-1 for
-    Q/mask, 0..Bc-1 for K/V), ``last`` (the buffer is full after this row),
-    ``data`` (max_head_dim FP16 lanes, lane 0 = bits 0..15; a mask row uses
-    bits 0..Bc-1)."""
-    return data.StructLayout({
-        "sel": BufSel, "row": range(max(config.br, config.bc)), "last": 1,
-        "data": data.ArrayLayout(16, config.max_head_dim),
+        "head_dim": LEN_BITS, "n_kv": LEN_BITS, "c": 32, "causal": 1, "q_row0": LEN_BITS,
+        "seq_q": LEN_BITS, "seq_kv": LEN_BITS, "kv_valid_len": LEN_BITS, "mask_en": 1,
+        "pause": len(PausePoint),
     })
 
 
@@ -283,10 +286,6 @@ def final_program(config: NPUConfig) -> list:
     return prog
 
 
-def _onehot(v, width):
-    return (Const(1, width) << v)[0:width]
-
-
 class Core(wiring.Component):
     """FlashAttention compute core for one q tile at a time.
 
@@ -303,12 +302,12 @@ class Core(wiring.Component):
         1..max_head_dim or n_kv == 0 is rejected: ``err`` = 1, nothing runs.
     wr : In(stream.Signature(write_layout))
         Tile-buffer row writes, one row per cycle, always ready.
-    full : Out(6)
+    full : Out(len(BufSel))
         Buffer full flags, bit ``BufSel``.
     o : Out(stream.Signature(out_layout))
         Normalised O, ``Br * od`` beats (row-major, n fastest), valid/ready.
     phase : Out(Phase); busy, paused, done (1-cycle pulse at the end), err : Out(1)
-    pause_at : Out(PausePoint); tile : Out(16) (current kv tile)
+    pause_at : Out(PausePoint); tile : Out(LEN_BITS) (current kv tile)
     resume : In(1)
         Leave a pause (sampled while ``paused``).
     dbg_addr : In(log2 regs); dbg_row : In(range(R))
@@ -323,14 +322,14 @@ class Core(wiring.Component):
     ops_mac, ops_exp2, ops_recip : Out(48)
         MAC slots (R*C per MAC cycle, skipped P.V MACs included), exp2
         evaluations (R*C per PEXP/MALPHA cycle), reciprocals (R per start).
-    inject : In(2)
+    inject : In(len(Inject))
         Test-only faults, bits ``Inject`` (0 in normal use).
     reg_err : Out(1)
         A PE register was read before it was written (see the module
         docstring); the core stopped (IDLE, no ``done``, no O beats; the buffers
         keep their state, so reset it before the next command).  Sticky until
         the next accepted command.
-    reg_err_addr : Out(log2 regs); reg_err_phase : Out(Phase); reg_err_tile : Out(16)
+    reg_err_addr : Out(log2 regs); reg_err_phase : Out(Phase); reg_err_tile : Out(LEN_BITS)
         The first such read: register index (``register_name``), the phase
         and kv tile of the step that read it.
     """
@@ -346,95 +345,80 @@ class Core(wiring.Component):
         super().__init__({
             "cmd": In(stream.Signature(cmd_layout(config))),
             "wr": In(stream.Signature(write_layout(config))),
-            "full": Out(6),
+            "full": Out(len(BufSel)),
             "o": Out(stream.Signature(out_layout(config))),
             "phase": Out(Phase), "busy": Out(1), "paused": Out(1), "done": Out(1), "err": Out(1),
-            "pause_at": Out(PausePoint), "tile": Out(16), "resume": In(1),
+            "pause_at": Out(PausePoint), "tile": Out(LEN_BITS), "resume": In(1),
             "dbg_addr": In(ab), "dbg_row": In(range(R)), "dbg_data": Out(data.ArrayLayout(32, C)),
             "cnt_total": Out(32), "cnt_mac": Out(32), "cnt_softmax": Out(32), "cnt_stall": Out(32),
             "cnt_tile_last": Out(32), "cnt_tile_sum": Out(32),
             "ops_mac": Out(48), "ops_exp2": Out(48), "ops_recip": Out(48),
-            "inject": In(2), "reg_err": Out(1), "reg_err_addr": Out(ab),
-            "reg_err_phase": Out(Phase), "reg_err_tile": Out(16),
+            "inject": In(len(Inject)), "reg_err": Out(1), "reg_err_addr": Out(ab),
+            "reg_err_phase": Out(Phase), "reg_err_tile": Out(LEN_BITS),
         })
 
     def elaborate(self, platform):
         m = Module()
         cfg = self.config
-        g = self.regs
-        R, C, Bc = cfg.array_rows, cfg.array_cols, cfg.bc
-        wr, wc, odm, mhd = g.wr, g.wc, g.od, cfg.max_head_dim
-        lanes = 16 * mhd          # tile rows are stored as flat words (lane 0 = bits 0..15)
-        wdata = self.wr.payload.data.as_value()
         m.submodules.array = arr = PeArray(cfg, self.pe_as_instance)
 
         # ------------------------------------------------------------ command
         cmd = Signal(cmd_layout(cfg))
-        od = Signal(range(odm + 1))          # O columns per PE for this head_dim
-        full = Signal(6)
-        release = Signal(6)
-        m.d.comb += self.full.eq(full)
+        od = Signal(range(self.regs.od + 1))   # O columns per PE for this head_dim
+        release = Signal(len(BufSel))
+        m.submodules.bufs = bufs = TileBuffers(cfg)
+        wiring.connect(m, wiring.flipped(self.wr), bufs.wr)
+        full = bufs.full
+        m.d.comb += [self.full.eq(full), bufs.release.eq(release)]
 
-        # ------------------------------------------------------- tile buffers
-        w = self.wr.payload
-        m.d.comb += self.wr.ready.eq(1)
-        wvalid = self.wr.valid
-        with m.If(wvalid & w.last):
-            m.d.sync += full.eq((full & ~release) | _onehot(w.sel, 6))
-        with m.Else():
-            m.d.sync += full.eq(full & ~release)
+        pc, word, base = self._rom(m)
+        s = self._sequencer(m, arr, cmd, od, full, release, pc, word, base)
+        in_out = self._readout(m, s, arr)
+        ctl_d = self._operands(m, s, arr, bufs)
+        self._register_check(m, s, arr, ctl_d, in_out)
+        self._counters(m, s, ctl_d)
+        return m
 
-        qmem, kmem, mmem = [], [], []
-        for r in range(R):
-            mem = Memory(shape=lanes, depth=wr, init=[])
-            m.submodules[f"qbuf{r}"] = mem
-            wp = mem.write_port()
-            hit = (w.row >= wr * r) & (w.row < wr * (r + 1))
-            m.d.comb += [wp.addr.eq(w.row - wr * r), wp.data.eq(wdata),
-                         wp.en.eq(wvalid & hit & (w.sel == BufSel.Q))]
-            qmem.append(mem.read_port(domain="sync"))
-            mm = Memory(shape=Bc, depth=wr, init=[])
-            m.submodules[f"mbuf{r}"] = mm
-            wp = mm.write_port()
-            m.d.comb += [wp.addr.eq(w.row - wr * r), wp.data.eq(wdata[0:Bc]),
-                         wp.en.eq(wvalid & hit & (w.sel == BufSel.MASK))]
-            mmem.append(mm.read_port(domain="sync"))
-        for c in range(C):
-            mem = Memory(shape=lanes, depth=2 * wc, init=[])
-            m.submodules[f"kbuf{c}"] = mem
-            wp = mem.write_port()
-            hit = (w.row >= wc * c) & (w.row < wc * (c + 1))
-            half = w.sel == BufSel.K1
-            m.d.comb += [wp.addr.eq(Mux(half, wc, 0) + w.row - wc * c), wp.data.eq(wdata),
-                         wp.en.eq(wvalid & hit & ((w.sel == BufSel.K0) | half))]
-            kmem.append(mem.read_port(domain="sync"))
-        m.submodules.vbuf = vmem_ = Memory(shape=lanes, depth=2 * Bc, init=[])
-        wp = vmem_.write_port()
-        vhalf = w.sel == BufSel.V1
-        m.d.comb += [wp.addr.eq(Mux(vhalf, Bc, 0) + w.row), wp.data.eq(wdata),
-                     wp.en.eq(wvalid & ((w.sel == BufSel.V0) | vhalf))]
-        vmem = vmem_.read_port(domain="sync")
-
-        # ------------------------------------------------------ ROM programs
+    # ------------------------------------------------------------ ROM programs
+    def _rom(self, m):
+        """The INIT, softmax and FINAL micro-programs in one ROM read at
+        ``pc`` (combinationally).  Returns ``(pc, word, base)``: the program
+        counter, the word at it and each program's first address."""
         progs = self.programs
         base = {}
         words = []
         for name in ("init", "sm", "final"):
             base[name] = len(words)
             words += progs[name]
-        m.submodules.rom = rom_mem = Memory(shape=rom_layout(cfg), depth=len(words), init=words)
+        m.submodules.rom = rom_mem = Memory(shape=rom_layout(self.config), depth=len(words), init=words)
         rom = rom_mem.read_port(domain="comb")
         pc = Signal(range(len(words)))
         m.d.comb += rom.addr.eq(pc)
         word = rom.data
+        return pc, word, base
 
-        # --------------------------------------------------------- sequencer
+    # --------------------------------------------------------------- sequencer
+    def _sequencer(self, m, arr, cmd, od, full, release, pc, word, base):
+        """The tile sequencer: its registers, the status ports, the
+        return-register scoreboard and the phase FSM (``_phase_fsm``).
+
+        Returns a namespace of the signals the other blocks share: the phase
+        and kv tile, the step counters, the issue-stage step (``iss``
+        control word, ``iss_a/b/k/n/kc``, the P operand address ``sa_pv`` and
+        ``use_pv_sa``), the O read-out indices, the buffer conditions
+        ``k_ok/m_ok/v_ok`` and ``half``, and the strobes ``accept`` (a
+        command is taken), ``enter_s`` (an S phase starts) and ``release``.
+        """
+        cfg = self.config
+        g = self.regs
+        R, C, Bc = cfg.array_rows, cfg.array_cols, cfg.bc
+        wr, wc, odm, mhd = g.wr, g.wc, g.od, cfg.max_head_dim
         phase = Signal(Phase)
         resume_to = Signal(Phase)
         resume_pc = Signal.like(pc)
         pause_at = Signal(PausePoint)
-        tile = Signal(16)
-        kv0 = Signal(17)
+        tile = Signal(LEN_BITS)                # kv tile, 0..n_kv
+        kv0 = Signal(LEN_BITS + 1)            # first key of the kv tile (tile * Bc)
         k = Signal(range(max(mhd, Bc) + 1))
         kc = Signal(range(C))                 # k // wc (P.V)
         kb = Signal(range(wc))                # k % wc (P.V)
@@ -471,30 +455,6 @@ class Core(wiring.Component):
         enter_s = Signal()
         accept = Signal()                      # a q-tile command is taken this cycle
 
-        def start_s():
-            m.d.comb += enter_s.eq(1)
-            m.d.sync += [phase.eq(Phase.S), k.eq(0), a.eq(0), b.eq(0)]
-
-        def start_pv():
-            m.d.sync += [k.eq(0), kc.eq(0), kb.eq(0), a.eq(0), n.eq(0)]
-
-        def after_tile():
-            """Decide what follows the P.V of a tile (tile already counted)."""
-            last_tile = tile + 1 == cmd.n_kv
-            nxt = Signal(Phase, name="after_tile")
-            with m.If(last_tile):
-                m.d.comb += nxt.eq(Phase.FINAL)
-            with m.Else():
-                m.d.comb += nxt.eq(Phase.WAIT_K)
-            next_k = Mux(half, 1 << BufSel.K0, 1 << BufSel.K1)
-            with m.If(cmd.pause[PausePoint.TILE]):
-                m.d.sync += [phase.eq(Phase.PAUSED), resume_to.eq(nxt),
-                             pause_at.eq(PausePoint.TILE), resume_pc.eq(base["final"])]
-            with m.Elif(~last_tile & ((full & next_k) != 0)):
-                start_s()                      # back-to-back tiles: no bubble
-            with m.Else():
-                m.d.sync += [phase.eq(nxt), pc.eq(base["final"])]
-
         # return-register scoreboard: a word with ``wait`` stalls until the
         # result it reads (tag ``ret_sel``) has arrived.  A result that is
         # written this cycle counts, because the word executes one cycle later.
@@ -506,20 +466,76 @@ class Core(wiring.Component):
         m.d.sync += ready.eq((ready | arrive) & ~clear)
         ready_now = ready | arrive
 
-        def run_rom(on_last):
-            stall = word.wait & ~ready_now.bit_select(word.ctl.ret_sel, 1)
-            with m.If(~stall):
-                m.d.comb += [iss.eq(word.ctl), iss_a.eq(word.a), iss_b.eq(word.b)]
-                with m.If((word.ctl.tree != TreeOp.NONE) | word.ctl.rcp):
-                    m.d.comb += clear.eq(_onehot(word.ctl.tag, 3 * wr))
-                pc_next = Mux(word.ocol & (word.n == od - 1), pc + 1 + odm - od, pc + 1)
-                m.d.sync += pc.eq(pc_next)
-                with m.If(word.last):
-                    on_last()
-                with m.Elif(word.pause & cmd.pause[PausePoint.S]):
-                    m.d.sync += [phase.eq(Phase.PAUSED), resume_to.eq(phase),
-                                 pause_at.eq(PausePoint.S), resume_pc.eq(pc_next)]
+        s = SimpleNamespace(
+            cmd=cmd, od=od, full=full, release=release, pc=pc, word=word, base=base,
+            phase=phase, resume_to=resume_to, resume_pc=resume_pc, pause_at=pause_at,
+            tile=tile, kv0=kv0, k=k, kc=kc, kb=kb, a=a, b=b, n=n,
+            half=half, k_sel=k_sel, v_sel=v_sel, k_ok=k_ok, v_ok=v_ok, m_ok=m_ok,
+            iss=iss, iss_a=iss_a, iss_b=iss_b, iss_k=iss_k, iss_n=iss_n, iss_kc=iss_kc,
+            sa_pv=sa_pv, use_pv_sa=use_pv_sa, o_r=o_r, o_a=o_a, o_n=o_n, primed=primed,
+            enter_s=enter_s, accept=accept, ready_now=ready_now, clear=clear)
+        self._phase_fsm(m, s)
 
+        # test-only faults for the register check (override the issued word)
+        with m.If(self.inject[Inject.SKIP_INIT] & (phase == Phase.INIT)):
+            m.d.comb += iss.op.eq(PeOp.NOP)
+        with m.If(self.inject[Inject.DROP_S_WRITE] & (phase == Phase.S) & (tile == 1)
+                  & (k == 0) & (a == 0) & (b == 0)):
+            m.d.comb += iss.op.eq(PeOp.NOP)
+        return s
+
+    # The FSM's actions shared by several phases.
+    def _start_s(self, m, s):
+        m.d.comb += s.enter_s.eq(1)
+        m.d.sync += [s.phase.eq(Phase.S), s.k.eq(0), s.a.eq(0), s.b.eq(0)]
+
+    def _start_pv(self, m, s):
+        m.d.sync += [s.k.eq(0), s.kc.eq(0), s.kb.eq(0), s.a.eq(0), s.n.eq(0)]
+
+    def _after_tile(self, m, s):
+        """Decide what follows the P.V of a tile (tile already counted)."""
+        cmd, phase = s.cmd, s.phase
+        last_tile = s.tile + 1 == cmd.n_kv
+        nxt = Signal(Phase, name="after_tile")
+        with m.If(last_tile):
+            m.d.comb += nxt.eq(Phase.FINAL)
+        with m.Else():
+            m.d.comb += nxt.eq(Phase.WAIT_K)
+        next_k = Mux(s.half, 1 << BufSel.K0, 1 << BufSel.K1)
+        with m.If(cmd.pause[PausePoint.TILE]):
+            m.d.sync += [phase.eq(Phase.PAUSED), s.resume_to.eq(nxt),
+                         s.pause_at.eq(PausePoint.TILE), s.resume_pc.eq(s.base["final"])]
+        with m.Elif(~last_tile & ((s.full & next_k) != 0)):
+            self._start_s(m, s)                # back-to-back tiles: no bubble
+        with m.Else():
+            m.d.sync += [phase.eq(nxt), s.pc.eq(s.base["final"])]
+
+    def _run_rom(self, m, s, on_last):
+        """Issue the ROM word at ``pc`` unless it waits for a return value;
+        ``on_last`` adds the actions of the program's last word."""
+        word, pc, od, odm = s.word, s.pc, s.od, self.regs.od
+        stall = word.wait & ~s.ready_now.bit_select(word.ctl.ret_sel, 1)
+        with m.If(~stall):
+            m.d.comb += [s.iss.eq(word.ctl), s.iss_a.eq(word.a), s.iss_b.eq(word.b)]
+            with m.If((word.ctl.tree != TreeOp.NONE) | word.ctl.rcp):
+                m.d.comb += s.clear.eq(_onehot(word.ctl.tag, 3 * self.regs.wr))
+            pc_next = Mux(word.ocol & (word.n == od - 1), pc + 1 + odm - od, pc + 1)
+            m.d.sync += pc.eq(pc_next)
+            with m.If(word.last):
+                on_last()
+            with m.Elif(word.pause & s.cmd.pause[PausePoint.S]):
+                m.d.sync += [s.phase.eq(Phase.PAUSED), s.resume_to.eq(s.phase),
+                             s.pause_at.eq(PausePoint.S), s.resume_pc.eq(pc_next)]
+
+    def _phase_fsm(self, m, s):
+        """One case per ``Phase``: accept a command, run the INIT / softmax /
+        FINAL programs, step the S and P.V loops, wait for buffers, pause."""
+        cfg = self.config
+        g = self.regs
+        C, Bc = cfg.array_cols, cfg.bc
+        wr, wc, odm, mhd = g.wr, g.wc, g.od, cfg.max_head_dim
+        cmd, phase, pc, base, iss, release = s.cmd, s.phase, s.pc, s.base, s.iss, s.release
+        k, a, b, n, kc, kb, tile = s.k, s.a, s.b, s.n, s.kc, s.kb, s.tile
         with m.Switch(phase):
             with m.Case(Phase.IDLE):
                 m.d.comb += self.cmd.ready.eq(1)
@@ -528,20 +544,20 @@ class Core(wiring.Component):
                     bad = (p.head_dim == 0) | (p.head_dim > mhd) | (p.n_kv == 0)
                     m.d.sync += self.err.eq(bad)
                     with m.If(~bad):
-                        m.d.comb += accept.eq(1)
+                        m.d.comb += s.accept.eq(1)
                         m.d.sync += [cmd.eq(p), phase.eq(Phase.INIT), pc.eq(base["init"]),
-                                     tile.eq(0), kv0.eq(0),
-                                     od.eq((p.head_dim + C - 1) >> (C.bit_length() - 1))]
+                                     tile.eq(0), s.kv0.eq(0),
+                                     s.od.eq((p.head_dim + C - 1) >> (C.bit_length() - 1))]
             with m.Case(Phase.INIT):
                 def init_last():
                     m.d.sync += phase.eq(Phase.WAIT_K)
-                run_rom(init_last)
+                self._run_rom(m, s, init_last)
             with m.Case(Phase.WAIT_K):
-                with m.If(k_ok):
-                    start_s()
+                with m.If(s.k_ok):
+                    self._start_s(m, s)
             with m.Case(Phase.S):
                 m.d.comb += [iss.op.eq(PeOp.MAC), iss.ra.eq(a * wc + b), iss.wa.eq(a * wc + b),
-                             iss.first.eq(k == 0), iss_a.eq(a), iss_b.eq(b), iss_k.eq(k)]
+                             iss.first.eq(k == 0), s.iss_a.eq(a), s.iss_b.eq(b), s.iss_k.eq(k)]
                 last_b = b == wc - 1
                 last_a = a == wr - 1
                 last_k = k == cmd.head_dim - 1
@@ -551,37 +567,37 @@ class Core(wiring.Component):
                     with m.If(last_a):
                         m.d.sync += k.eq(k + 1)
                 with m.If(last_b & last_a & last_k):
-                    m.d.comb += release.eq(k_sel | Mux(tile + 1 == cmd.n_kv, 1 << BufSel.Q, 0))
+                    m.d.comb += release.eq(s.k_sel | Mux(tile + 1 == cmd.n_kv, 1 << BufSel.Q, 0))
                     m.d.sync += pc.eq(base["sm"])
                     with m.If(cmd.pause[PausePoint.S_RAW]):
-                        m.d.sync += [phase.eq(Phase.PAUSED), resume_to.eq(Phase.WAIT_M),
-                                     pause_at.eq(PausePoint.S_RAW), resume_pc.eq(base["sm"])]
-                    with m.Elif(m_ok):
+                        m.d.sync += [phase.eq(Phase.PAUSED), s.resume_to.eq(Phase.WAIT_M),
+                                     s.pause_at.eq(PausePoint.S_RAW), s.resume_pc.eq(base["sm"])]
+                    with m.Elif(s.m_ok):
                         m.d.sync += phase.eq(Phase.SM)
                     with m.Else():
                         m.d.sync += phase.eq(Phase.WAIT_M)
             with m.Case(Phase.WAIT_M):
-                with m.If(m_ok):
+                with m.If(s.m_ok):
                     m.d.sync += phase.eq(Phase.SM)
             with m.Case(Phase.SM):
                 def sm_last():
                     m.d.comb += release.eq(Mux(cmd.mask_en, 1 << BufSel.MASK, 0))
-                    with m.If(v_ok):
+                    with m.If(s.v_ok):
                         m.d.sync += phase.eq(Phase.PV)
-                        start_pv()
+                        self._start_pv(m, s)
                     with m.Else():
                         m.d.sync += phase.eq(Phase.WAIT_V)
-                run_rom(sm_last)
+                self._run_rom(m, s, sm_last)
             with m.Case(Phase.WAIT_V):
-                with m.If(v_ok):
+                with m.If(s.v_ok):
                     m.d.sync += phase.eq(Phase.PV)
-                    start_pv()
+                    self._start_pv(m, s)
             with m.Case(Phase.PV):
                 m.d.comb += [iss.op.eq(PeOp.MAC), iss.ra.eq(g.o_base + a * odm + n),
                              iss.wa.eq(g.o_base + a * odm + n), iss.skipz.eq(1), iss.pv.eq(1),
-                             iss_a.eq(a), iss_k.eq(k), iss_n.eq(n), iss_kc.eq(kc),
-                             sa_pv.eq(a * wc + kb), use_pv_sa.eq(1)]
-                last_n = n == od - 1
+                             s.iss_a.eq(a), s.iss_k.eq(k), s.iss_n.eq(n), s.iss_kc.eq(kc),
+                             s.sa_pv.eq(a * wc + kb), s.use_pv_sa.eq(1)]
+                last_n = n == s.od - 1
                 last_a = a == wr - 1
                 last_k = k == Bc - 1
                 m.d.sync += n.eq(Mux(last_n, 0, n + 1))
@@ -592,28 +608,28 @@ class Core(wiring.Component):
                         with m.If(kb == wc - 1):
                             m.d.sync += kc.eq(kc + 1)
                 with m.If(last_n & last_a & last_k):
-                    m.d.comb += release.eq(v_sel)
-                    m.d.sync += [tile.eq(tile + 1), kv0.eq(kv0 + Bc)]
-                    after_tile()
+                    m.d.comb += release.eq(s.v_sel)
+                    m.d.sync += [tile.eq(tile + 1), s.kv0.eq(s.kv0 + Bc)]
+                    self._after_tile(m, s)
             with m.Case(Phase.FINAL):
                 def final_last():
-                    m.d.sync += [phase.eq(Phase.OUT), o_r.eq(0), o_a.eq(0), o_n.eq(0),
-                                 primed.eq(0)]
-                run_rom(final_last)
+                    m.d.sync += [phase.eq(Phase.OUT), s.o_r.eq(0), s.o_a.eq(0), s.o_n.eq(0),
+                                 s.primed.eq(0)]
+                self._run_rom(m, s, final_last)
             with m.Case(Phase.OUT):
-                pass                                   # see the read-out section
+                pass                                   # see ``_readout``
             with m.Case(Phase.PAUSED):
                 with m.If(self.resume):
-                    m.d.sync += [phase.eq(resume_to), pc.eq(resume_pc)]
+                    m.d.sync += [phase.eq(s.resume_to), pc.eq(s.resume_pc)]
 
-        # test-only faults for the register check (override the issued word)
-        with m.If(self.inject[Inject.SKIP_INIT] & (phase == Phase.INIT)):
-            m.d.comb += iss.op.eq(PeOp.NOP)
-        with m.If(self.inject[Inject.DROP_S_WRITE] & (phase == Phase.S) & (tile == 1)
-                  & (k == 0) & (a == 0) & (b == 0)):
-            m.d.comb += iss.op.eq(PeOp.NOP)
-
-        # ------------------------------------------------------ O read-out
+    # --------------------------------------------------------------- O read-out
+    def _readout(self, m, s, arr):
+        """The ``o`` stream (phase OUT) and the PEs' synchronous read port:
+        P operand (P.V), O read-out or debug.  Returns ``in_out``."""
+        R = self.config.array_rows
+        g = self.regs
+        wr, odm = g.wr, g.od
+        od, o_r, o_a, o_n, primed, phase = s.od, s.o_r, s.o_a, s.o_n, s.primed, s.phase
         fire = self.o.valid & self.o.ready
         nx_n = Signal.like(o_n)
         nx_a = Signal.like(o_a)
@@ -644,8 +660,8 @@ class Core(wiring.Component):
 
         # PE synchronous read port: P operand (P.V), O read-out, or debug
         rd_row_d = Signal(range(R))
-        with m.If(use_pv_sa):
-            m.d.comb += arr.sa.eq(sa_pv)
+        with m.If(s.use_pv_sa):
+            m.d.comb += arr.sa.eq(s.sa_pv)
         with m.Elif(in_out):
             m.d.comb += arr.sa.eq(g.o_base + use_a * odm + use_n)
             m.d.sync += rd_row_d.eq(use_r)
@@ -653,13 +669,22 @@ class Core(wiring.Component):
             m.d.comb += arr.sa.eq(self.dbg_addr)
             m.d.sync += rd_row_d.eq(self.dbg_row)
         m.d.comb += arr.rd_row.eq(rd_row_d)
+        return in_out
 
+    # ----------------------------------------------------------------- operands
+    def _operands(self, m, s, arr, bufs):
+        """Operand fetch (``bufs`` read addresses of the issued step), the
+        operand stage one cycle later (control word register, Q/K/V lanes
+        onto the array's buses) and the visibility bits.  Returns ``ctl_d``,
+        the control word the array executes this cycle."""
+        cfg = self.config
+        R, C, Bc = cfg.array_rows, cfg.array_cols, cfg.bc
+        wr, wc, odm = self.regs.wr, self.regs.wc, self.regs.od
+        cmd, od = s.cmd, s.od
+        iss, iss_a, iss_b, iss_k, iss_n, iss_kc = s.iss, s.iss_a, s.iss_b, s.iss_k, s.iss_n, s.iss_kc
         # --------------------------------------------- operand fetch (issue)
-        for r in range(R):
-            m.d.comb += [qmem[r].addr.eq(iss_a), mmem[r].addr.eq(iss_a)]
-        for c in range(C):
-            m.d.comb += kmem[c].addr.eq(Mux(half, wc, 0) + iss_b)
-        m.d.comb += vmem.addr.eq(Mux(half, Bc, 0) + iss_k)
+        m.d.comb += [bufs.half.eq(s.half), bufs.q_row.eq(iss_a), bufs.k_row.eq(iss_b),
+                     bufs.v_row.eq(iss_k)]
 
         # ------------------------------------- operand stage (issue + 1 cycle)
         # One register stage for the control word and the step indices, so
@@ -674,47 +699,53 @@ class Core(wiring.Component):
                      kc_d.eq(iss_kc)]
         m.d.comb += [arr.ctl.eq(ctl_d), arr.psel.eq(kc_d), arr.cst.eq(cmd.c)]
         for r in range(R):
-            m.d.comb += arr.row_a16[r].eq(qmem[r].data.word_select(k_d, 16))
+            m.d.comb += arr.row_a16[r].eq(bufs.q_data[r].word_select(k_d, 16))
         hd = cmd.head_dim
         for c in range(C):
             lane = Signal(range(odm * C + 1), name=f"vlane{c}")
             m.d.comb += lane.eq(od * c + n_d)
-            vval = Mux(lane < hd, vmem.data.word_select(lane, 16), 0)
-            m.d.comb += arr.col_b16[c].eq(Mux(ctl_d.pv, vval, kmem[c].data.word_select(k_d, 16)))
+            vval = Mux(lane < hd, bufs.v_data.word_select(lane, 16), 0)
+            m.d.comb += arr.col_b16[c].eq(Mux(ctl_d.pv, vval, bufs.k_data[c].word_select(k_d, 16)))
         # visibility: i = q_row0 + wr r + a, j = kv0 + wc c + b
         #   row valid: i < seq_q; key valid: j < seq_kv and j < kv_valid_len;
         #   causal (bottom-right): j + seq_q <= i + seq_kv; mask bit.
         # Row terms once per PE row, column terms once per PE column; each PE
-        # adds one compare (causal) and an AND.
+        # adds one compare (causal) and an AND.  Widths: i (one bit above a
+        # length), j (kv0 plus less than Bc) and the sums with a length.
         col_ok, col_jq = [], []
         not_causal = Signal()
         m.d.comb += not_causal.eq(~cmd.causal)
         for c in range(C):
-            j = Signal(18, name=f"kj{c}")
-            jq = Signal(18, name=f"kjq{c}")
+            j = Signal(LEN_BITS + 2, name=f"kj{c}")
+            jq = Signal(LEN_BITS + 2, name=f"kjq{c}")
             ok = Signal(name=f"kok{c}")
-            m.d.comb += [j.eq(kv0 + wc * c + b_d), jq.eq(j + cmd.seq_q),
+            m.d.comb += [j.eq(s.kv0 + wc * c + b_d), jq.eq(j + cmd.seq_q),
                          ok.eq((j < cmd.seq_kv) & (j < cmd.kv_valid_len))]
             col_ok.append(ok)
             col_jq.append(jq)
         for r in range(R):
-            i = Signal(17, name=f"qi{r}")
-            lim = Signal(18, name=f"lim{r}")
+            i = Signal(LEN_BITS + 1, name=f"qi{r}")
+            lim = Signal(LEN_BITS + 2, name=f"lim{r}")
             row_ok = Signal(name=f"qok{r}")
             mrow = Signal(C, name=f"mrow{r}")
             m.d.comb += [i.eq(cmd.q_row0 + wr * r + a_d), lim.eq(i + cmd.seq_kv),
                          row_ok.eq(i < cmd.seq_q)]
             # mask bits of this step (column b_d of every PE), all ones when off
-            by_b = Array([Cat(*[mmem[r].data[c * wc + bb] for c in range(C)]) for bb in range(wc)])
+            by_b = Array([Cat(*[bufs.m_data[r][c * wc + bb] for c in range(C)]) for bb in range(wc)])
             m.d.comb += mrow.eq(by_b[b_d] | Mux(cmd.mask_en, 0, (1 << C) - 1))
             for c in range(C):
                 causal_ok = not_causal | (col_jq[c] <= lim)
                 m.d.comb += arr.vis[r * C + c].eq(row_ok & col_ok[c] & causal_ok & mrow[c])
+        return ctl_d
 
-        # ------------------------------------------- register check (simulation)
-        # One written-mask for all PEs (SIMD).  Operand-stage reads (ra, rb of
-        # ``ctl_d``) see the writes of earlier cycles; the synchronous port is
-        # transparent, so its issue-stage read also sees this cycle's write.
+    # ------------------------------------------------ register check (simulation)
+    def _register_check(self, m, s, arr, ctl_d, in_out):
+        """One written-mask for all PEs (SIMD).  Operand-stage reads (ra, rb
+        of ``ctl_d``) see the writes of earlier cycles; the synchronous port
+        is transparent, so its issue-stage read also sees this cycle's write.
+        A violation stops the core and latches ``reg_err*``."""
+        cfg = self.config
+        phase, tile = s.phase, s.tile
         NR = cfg.pe_registers
         written = Signal(NR)
         tile_mask = sum(1 << i for i in tile_registers(cfg))
@@ -728,21 +759,21 @@ class Core(wiring.Component):
                         m.d.comb += [rd_a.eq(ua), rd_b.eq(ub), wr_u.eq(uw)]
         wr_now = Signal(NR)
         m.d.comb += wr_now.eq(Mux(wr_u, _onehot(ctl_d.wa, NR), 0))
-        with m.If(accept):
+        with m.If(s.accept):
             m.d.sync += written.eq(0)
-        with m.Elif(enter_s):
+        with m.Elif(s.enter_s):
             m.d.sync += written.eq((written & ~Const(tile_mask, NR)) | wr_now)
         with m.Else():
             m.d.sync += written.eq(written | wr_now)
         phase_d = Signal(Phase)                # phase and kv tile of the word in ``ctl_d``
-        tile_d = Signal(16)
+        tile_d = Signal.like(tile)
         m.d.sync += [phase_d.eq(phase), tile_d.eq(tile)]
         bad_a = rd_a & ~written.bit_select(ctl_d.ra, 1)
         bad_b = rd_b & ~written.bit_select(ctl_d.rb, 1)
-        bad_s = (use_pv_sa | in_out) & ~(written | wr_now).bit_select(arr.sa, 1)
+        bad_s = (s.use_pv_sa | in_out) & ~(written | wr_now).bit_select(arr.sa, 1)
         viol = Signal()
         m.d.comb += viol.eq((phase != Phase.IDLE) & (bad_a | bad_b | bad_s))
-        with m.If(accept):
+        with m.If(s.accept):
             m.d.sync += self.reg_err.eq(0)
         with m.If(viol):
             m.d.sync += [self.reg_err.eq(1), phase.eq(Phase.IDLE), self.done.eq(0)]
@@ -756,11 +787,16 @@ class Core(wiring.Component):
                 m.d.sync += [self.reg_err_addr.eq(arr.sa), self.reg_err_phase.eq(phase),
                              self.reg_err_tile.eq(tile)]
 
-        # ------------------------------------------------------- counters
+    # ------------------------------------------------------------------ counters
+    def _counters(self, m, s, ctl_d):
+        """Cycle and operation counters of the current/last command (see the
+        class docstring), cleared when a command arrives in IDLE."""
+        R, C = self.config.array_rows, self.config.array_cols
+        phase = s.phase
         counting = (phase != Phase.IDLE) & (phase != Phase.PAUSED)
         tile_cyc = Signal(32)
         with m.If((phase == Phase.IDLE) & self.cmd.valid):
-            m.d.sync += [s.eq(0) for s in (self.cnt_total, self.cnt_mac, self.cnt_softmax,
+            m.d.sync += [x.eq(0) for x in (self.cnt_total, self.cnt_mac, self.cnt_softmax,
                                             self.cnt_stall, self.cnt_tile_last,
                                             self.cnt_tile_sum, self.ops_mac, self.ops_exp2,
                                             self.ops_recip, tile_cyc)]
@@ -776,18 +812,17 @@ class Core(wiring.Component):
                 m.d.sync += self.ops_recip.eq(self.ops_recip + R)
             with m.If(phase == Phase.SM):
                 m.d.sync += self.cnt_softmax.eq(self.cnt_softmax + 1)
-            with m.If(((phase == Phase.WAIT_K) & ~k_ok) | ((phase == Phase.WAIT_M) & ~m_ok)
-                      | ((phase == Phase.WAIT_V) & ~v_ok)):
+            with m.If(((phase == Phase.WAIT_K) & ~s.k_ok) | ((phase == Phase.WAIT_M) & ~s.m_ok)
+                      | ((phase == Phase.WAIT_V) & ~s.v_ok)):
                 m.d.sync += self.cnt_stall.eq(self.cnt_stall + 1)
             # tile cycles: from the first S step of a tile to the end of its P.V
-            with m.If(enter_s):
+            with m.If(s.enter_s):
                 m.d.sync += tile_cyc.eq(0)
             with m.Elif(counting):
                 m.d.sync += tile_cyc.eq(tile_cyc + 1)
-            with m.If((phase == Phase.PV) & (release != 0)):
+            with m.If((phase == Phase.PV) & (s.release != 0)):
                 m.d.sync += [self.cnt_tile_last.eq(tile_cyc + 1),
                              self.cnt_tile_sum.eq(self.cnt_tile_sum + tile_cyc + 1)]
-        return m
 
 
 def core_verilog(config: NPUConfig, name: str = CORE_MODULE, top: "Core | None" = None) -> str:
@@ -796,7 +831,6 @@ def core_verilog(config: NPUConfig, name: str = CORE_MODULE, top: "Core | None" 
 
     ``top`` (optional) is the ``Core(config, pe_as_instance=True)`` to
     convert; one is made when omitted."""
-    from amaranth.back import verilog
     if top is None:
         top = Core(config, pe_as_instance=True)
     if not top.pe_as_instance:

@@ -52,6 +52,12 @@ Engine
               ▼                  │  while the last one drains)    ▼ read data (via TSV for DRAM)
              done ◄── completion ◄── write side (2-entry descriptor FIFO) ─► dst memory (SRAM or DRAM)
 
+Each box is one method of :class:`DMA`, called in this order by
+``elaborate``: ``_queues`` (descriptor queue, completion FIFO, the write
+side's descriptor FIFO), ``_submit`` with ``_validate`` (validate, reject),
+``_ping_pong`` (the halves' full/pending state), ``_read_generator`` and
+``_write_side`` (with the completion).
+
 The read generator issues one word per cycle and moves on to the next
 descriptor as soon as it has issued the last read of the current one
 (descriptors of the same direction only), so DRAM latency is paid once per
@@ -160,9 +166,9 @@ class DMA(wiring.Component):
     done : Out(stream(completion_layout))
     dram : Out(DRAMPortSignature)   (cmd, wdata out; rdata in)
     sram : Out(SRAMPortSignature)   (req out; rdata in)
-    dram_lo, dram_hi, sram_lo, sram_hi : In(32)
+    dram_lo, dram_hi, sram_lo, sram_hi : In(ADDR_BITS)
         Allowed byte regions ``[lo, hi)`` for sources and destinations.
-    pp_base, pp_half_bytes : In(32)
+    pp_base, pp_half_bytes : In(ADDR_BITS)
         Ping-pong window in SRAM (bytes); ``pp_half_bytes == 0`` disables it.
     pp_release : In(2)
         Consumer releases half h (one-cycle pulse on bit h).
@@ -197,8 +203,9 @@ class DMA(wiring.Component):
             "done": Out(stream.Signature(completion_layout)),
             "dram": Out(DRAMPortSignature(self.dram_addr_bits, self.wbytes)),
             "sram": Out(SRAMPortSignature(self.sram_addr_bits, self.wbytes)),
-            "dram_lo": In(32), "dram_hi": In(32), "sram_lo": In(32), "sram_hi": In(32),
-            "pp_base": In(32), "pp_half_bytes": In(32),
+            "dram_lo": In(ADDR_BITS), "dram_hi": In(ADDR_BITS),
+            "sram_lo": In(ADDR_BITS), "sram_hi": In(ADDR_BITS),
+            "pp_base": In(ADDR_BITS), "pp_half_bytes": In(ADDR_BITS),
             "pp_release": In(2), "pp_full": Out(2), "pp_err": Out(1),
             "link_ok": In(1),
             "busy": Out(1),
@@ -263,17 +270,33 @@ class DMA(wiring.Component):
 
     def elaborate(self, platform):
         m = Module()
-        W = self.wbytes
-        wb = self.wbits
+        queue, done_q, ws_q = self._queues(m)
+        ws_completing, reject, rej_rec = self._submit(m, queue, done_q)
+        full, pend, set_full, set_pend, clr_pend = self._ping_pong(m)
+        rg_active = self._read_generator(m, queue, ws_q, full, pend, set_pend)
+        self._write_side(m, ws_q, done_q, ws_completing, reject, rej_rec, set_full, clr_pend)
 
-        # ------------------------------------------------ queues
-        m.submodules.queue = queue = fifo.SyncFIFO(width=descriptor_layout.size, depth=self.queue_depth)
-        m.submodules.done_q = done_q = fifo.SyncFIFO(width=completion_layout.size, depth=self.done_depth)
-        ws_layout = data.StructLayout({
+        m.d.comb += self.busy.eq(queue.r_rdy | rg_active | ws_q.r_rdy)
+        with m.If(rg_active | ws_q.r_rdy):
+            m.d.sync += self.active_cycles.eq(self.active_cycles + 1)
+        return m
+
+    def _ws_layout(self):
+        """A started descriptor as the write side needs it (``ws_q`` entry)."""
+        return data.StructLayout({
             "dst": ADDR_BITS, "rows": ROWS_BITS, "words": BPR_BITS, "bytes_per_row": BPR_BITS,
-            "dst_stride": ADDR_BITS, "tail_mask": W, "direction": Direction,
+            "dst_stride": ADDR_BITS, "tail_mask": self.wbytes, "direction": Direction,
             "pp_en": 1, "pp_half": 1, "pp_commit": 1, "tag": TAG_BITS, "code": DMAError,
         })
+
+    # ------------------------------------------------------------ queues
+    def _queues(self, m):
+        """The descriptor queue, the completion FIFO (drives ``done``) and the
+        2-entry FIFO of started descriptors between read generator and write
+        side.  Returns ``(queue, done_q, ws_q)``."""
+        m.submodules.queue = queue = fifo.SyncFIFO(width=descriptor_layout.size, depth=self.queue_depth)
+        m.submodules.done_q = done_q = fifo.SyncFIFO(width=completion_layout.size, depth=self.done_depth)
+        ws_layout = self._ws_layout()
         m.submodules.ws_q = ws_q = fifo.SyncFIFO(width=ws_layout.size, depth=2)
 
         m.d.comb += [
@@ -281,8 +304,14 @@ class DMA(wiring.Component):
             self.done.payload.eq(done_q.r_data),
             done_q.r_en.eq(self.done.ready),
         ]
+        return queue, done_q, ws_q
 
-        # ------------------------------------------------ submit + validate
+    # ------------------------------------------------- submit + validate
+    def _submit(self, m, queue, done_q):
+        """Accept a descriptor: validate it, queue it or build its rejection
+        record.  Returns ``(ws_completing, reject, rej_rec)``: the write
+        side's completion strobe (input: it blocks a submit), the reject
+        strobe and record (for the completion FIFO)."""
         code = self._validate(m, self.desc.payload)
         ws_completing = Signal()        # write side pushes a completion this cycle
         m.d.comb += self.desc.ready.eq(done_q.w_rdy & ~ws_completing)
@@ -299,8 +328,14 @@ class DMA(wiring.Component):
         m.d.comb += [rej_rec.tag.eq(self.desc.payload.tag), rej_rec.code.eq(reject_code)]
         with m.If(reject):
             m.d.sync += self.n_rejected.eq(self.n_rejected + 1)
+        return ws_completing, reject, rej_rec
 
-        # ------------------------------------------------ ping-pong state
+    # --------------------------------------------------- ping-pong state
+    def _ping_pong(self, m):
+        """Per half: *full* and *commit pending*, ``pp_release`` and the
+        sticky ``pp_err``.  Returns ``(full, pend, set_full, set_pend,
+        clr_pend)``; the set/clear strobes are driven by the read generator
+        (a committing descriptor starts) and the write side (it completes)."""
         full = Signal(2)
         pend = Signal(2)                 # a commit to this half is in flight
         m.d.comb += self.pp_full.eq(full)
@@ -314,8 +349,16 @@ class DMA(wiring.Component):
             full.eq((full & ~rel) | set_full),
             pend.eq((pend & ~clr_pend) | set_pend),
         ]
+        return full, pend, set_full, set_pend, clr_pend
 
-        # ------------------------------------------------ read generator
+    # ---------------------------------------------------- read generator
+    def _read_generator(self, m, queue, ws_q, full, pend, set_pend):
+        """Start the queue's head descriptor (direction and ping-pong rules,
+        a ``ws_q`` record for the write side) and issue its source reads, one
+        word per cycle.  Returns ``rg_active`` (reads still to issue)."""
+        W = self.wbytes
+        wb = self.wbits
+        ws_layout = self._ws_layout()
         head = data.View(descriptor_layout, queue.r_data)
         rg_active = Signal()
         rg_dir = Signal(Direction)
@@ -386,9 +429,17 @@ class DMA(wiring.Component):
                     m.d.sync += rg_active.eq(0)
             with m.Else():
                 m.d.sync += [rg_word.eq(rg_word + 1), rg_addr.eq(rg_addr + W)]
+        return rg_active
 
-        # ------------------------------------------------ write side
-        cur = data.View(ws_layout, ws_q.r_data)
+    # -------------------------------------------------------- write side
+    def _write_side(self, m, ws_q, done_q, ws_completing, reject, rej_rec, set_full, clr_pend):
+        """Pair each arriving word with its destination address and byte
+        mask, and retire the descriptor at ``ws_q``'s head into the
+        completion FIFO (which also takes the submit side's rejections).
+        Drives ``ws_completing``, ``set_full`` and ``clr_pend``."""
+        W = self.wbytes
+        wb = self.wbits
+        cur = data.View(self._ws_layout(), ws_q.r_data)
         ws_loaded = Signal()
         ws_addr = Signal(ADDR_BITS)
         ws_row_addr = Signal(ADDR_BITS)
@@ -456,11 +507,6 @@ class DMA(wiring.Component):
         with m.Elif(reject):
             m.d.comb += [done_q.w_en.eq(1), done_q.w_data.eq(rej_rec.as_value())]
 
-        m.d.comb += self.busy.eq(queue.r_rdy | rg_active | ws_q.r_rdy)
-        with m.If(rg_active | ws_q.r_rdy):
-            m.d.sync += self.active_cycles.eq(self.active_cycles + 1)
-        return m
-
 
 class MemorySystem(wiring.Component):
     """DMA + DRAM timing + two TSV links + banked SRAM, wired.
@@ -513,8 +559,9 @@ class MemorySystem(wiring.Component):
         members = {
             "desc": In(stream.Signature(descriptor_layout)),
             "done": Out(stream.Signature(completion_layout)),
-            "dram_lo": In(32), "dram_hi": In(32), "sram_lo": In(32), "sram_hi": In(32),
-            "pp_base": In(32), "pp_half_bytes": In(32),
+            "dram_lo": In(ADDR_BITS), "dram_hi": In(ADDR_BITS),
+            "sram_lo": In(ADDR_BITS), "sram_hi": In(ADDR_BITS),
+            "pp_base": In(ADDR_BITS), "pp_half_bytes": In(ADDR_BITS),
             "pp_release": In(2), "pp_full": Out(2), "pp_err": Out(1),
             "dma_busy": Out(1), "dma_bytes_moved": Out(48), "dma_beats": Out(32),
             "dma_active_cycles": Out(32), "dma_n_done": Out(32), "dma_n_rejected": Out(32),

@@ -88,7 +88,7 @@ from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
 from flashnpu.golden.numerics import (
-    EXP2_FRAC_BITS, EXP2_INDEX_BITS, EXP2_INTERP_BITS, EXP2_TABLE, NAN32_BITS)
+    EXP2_FRAC_BITS, EXP2_INDEX_BITS, EXP2_INTERP_BITS, EXP2_TABLE, NAN32_BITS, ONE32_BITS)
 
 __all__ = ["Fp32AddSub", "Fp32Mul", "Fp16Mac", "Fp32Max", "Exp2", "Fp32ToFp16", "Recip",
            "NAN32", "NAN16", "INF32", "ONE32"]
@@ -96,7 +96,7 @@ __all__ = ["Fp32AddSub", "Fp32Mul", "Fp16Mac", "Fp32Max", "Exp2", "Fp32ToFp16", 
 NAN32 = NAN32_BITS            # canonical binary32 quiet NaN
 NAN16 = 0x7E00                # canonical binary16 quiet NaN
 INF32 = 0x7F800000            # +Inf (OR the sign bit for -Inf)
-ONE32 = 0x3F800000            # 1.0
+ONE32 = ONE32_BITS            # 1.0
 _EXP_MAX = 0xFF               # all-ones exponent field: Inf / NaN
 _BIAS = 127
 

@@ -62,12 +62,11 @@ from amaranth.lib.wiring import In, Out
 
 from flashnpu.config import NPUConfig
 
-from .fpu import Exp2, Fp16Mac, Fp32AddSub, Fp32Max, Fp32Mul, Fp32ToFp16
+from .fpu import ONE32, Exp2, Fp16Mac, Fp32AddSub, Fp32Max, Fp32Mul, Fp32ToFp16
 
-__all__ = ["PeOp", "TreeOp", "ctl_layout", "RegMap", "Pe", "NEG_INF32", "ONE32", "ONE16"]
+__all__ = ["PeOp", "TreeOp", "ctl_layout", "RegMap", "Pe", "NEG_INF32", "ONE16"]
 
 NEG_INF32 = 0xFF800000
-ONE32 = 0x3F800000
 ONE16 = 0x3C00
 
 
