@@ -189,9 +189,9 @@ class Controller(wiring.Component):
 
     # ------------------------------------------------------------- the FSM
     def elaborate(self, platform):
-        """The job FSM.  Longer than 150 lines because it is one state
-        machine whose states share the q-tile walk's registers; the checks
-        (``_check``) and the per-kv-tile issue (``_issue``) are split out."""
+        """The job FSM; the checks (``_check``), the issue of one q tile's
+        descriptors (``_issue``), the step to the next q tile (``_advance``)
+        and the failure sources (``_failure``) are their own methods."""
         m = Module()
         cfg = self.config
         Br, Bc, C = cfg.br, cfg.bc, cfg.array_cols
@@ -316,27 +316,8 @@ class Controller(wiring.Component):
                 with m.If(w.q_issued & (w.j == w.n_kv) & ~self.dma_pending):
                     m.d.sync += state.eq(State.NEXT)
             with m.Case(State.NEXT):
-                # advance (q0, hg, kvh); stacked: hg steps by Br over the group
                 m.d.sync += t_iss.eq(t_iss + 1)
-                new_kvh = Signal()
-                with m.If(stacked):
-                    with m.If(w.hg + Br < G):
-                        m.d.sync += [w.hg.eq(w.hg + Br), state.eq(State.SETUP)]
-                    with m.Elif(w.kvh + 1 < kv_heads):
-                        m.d.sync += [w.hg.eq(0), w.kvh.eq(w.kvh + 1), state.eq(State.SETUP)]
-                        m.d.comb += new_kvh.eq(1)
-                    with m.Else():
-                        m.d.sync += state.eq(State.DRAIN)
-                with m.Else():
-                    with m.If(w.q0 + Br < seq_q):
-                        m.d.sync += [w.q0.eq(w.q0 + Br), state.eq(State.SETUP)]
-                    with m.Elif(w.hg + 1 < G):
-                        m.d.sync += [w.q0.eq(0), w.hg.eq(w.hg + 1), state.eq(State.SETUP)]
-                    with m.Elif(w.kvh + 1 < kv_heads):
-                        m.d.sync += [w.q0.eq(0), w.hg.eq(0), w.kvh.eq(w.kvh + 1), state.eq(State.SETUP)]
-                        m.d.comb += new_kvh.eq(1)
-                    with m.Else():
-                        m.d.sync += state.eq(State.DRAIN)
+                new_kvh = self._advance(m, w, state, stacked, G)
                 with m.If(new_kvh):
                     m.d.sync += [w.kv_loaded.eq(0), w.new_head.eq(1), head_base.eq(kv_gcnt)]
             with m.Case(State.DRAIN):
@@ -350,19 +331,53 @@ class Controller(wiring.Component):
                 # stays here until reset: the datapath may hold a half-done tile
                 pass
 
-        # simulation-time checks: the later in this list wins
-        fail = Signal()
-        fail_code = Signal(NPUError)
-        m.d.comb += [fail.eq(self.dma_fail), fail_code.eq(self.dma_fail_code)]
-        for bad, c in ((self.core_err, NPUError.CORE_REJECT), (self.reg_err, NPUError.REG_UNWRITTEN)):
-            with m.If(bad & busy):
-                m.d.comb += [fail.eq(1), fail_code.eq(c)]
-        with m.If(self.ld_fail):
-            m.d.comb += [fail.eq(1), fail_code.eq(NPUError.BUF_OVERWRITE)]
+        fail, fail_code = self._failure(m, busy)
         with m.If(fail & (state != State.FAIL) & busy):
             m.d.sync += [state.eq(State.FAIL), err.eq(fail_code), done_flag.eq(1)]
             m.d.comb += [irq_done.eq(1), irq_error.eq(1)]
         return m
+
+    def _advance(self, m, w, state, stacked, G):
+        """NEXT state: step (q0, hg, kvh) to the next q tile (stacked: hg by
+        Br over the group), or to DRAIN after the last; returns the comb
+        signal "a new KV head starts"."""
+        Br = self.config.br
+        State = CtrlState
+        seq_q, kv_heads = self.seq.seq_q, self.heads.kv_heads
+        new_kvh = Signal()
+        with m.If(stacked):
+            with m.If(w.hg + Br < G):
+                m.d.sync += [w.hg.eq(w.hg + Br), state.eq(State.SETUP)]
+            with m.Elif(w.kvh + 1 < kv_heads):
+                m.d.sync += [w.hg.eq(0), w.kvh.eq(w.kvh + 1), state.eq(State.SETUP)]
+                m.d.comb += new_kvh.eq(1)
+            with m.Else():
+                m.d.sync += state.eq(State.DRAIN)
+        with m.Else():
+            with m.If(w.q0 + Br < seq_q):
+                m.d.sync += [w.q0.eq(w.q0 + Br), state.eq(State.SETUP)]
+            with m.Elif(w.hg + 1 < G):
+                m.d.sync += [w.q0.eq(0), w.hg.eq(w.hg + 1), state.eq(State.SETUP)]
+            with m.Elif(w.kvh + 1 < kv_heads):
+                m.d.sync += [w.q0.eq(0), w.hg.eq(0), w.kvh.eq(w.kvh + 1), state.eq(State.SETUP)]
+                m.d.comb += new_kvh.eq(1)
+            with m.Else():
+                m.d.sync += state.eq(State.DRAIN)
+        return new_kvh
+
+    def _failure(self, m, busy):
+        """(fail, code): a simulation-time check fired this cycle, and its
+        ``NPUError``; the later source in this list wins: the DMA port's
+        checks, a core reject, an unwritten register, a loader overwrite."""
+        fail = Signal()
+        code = Signal(NPUError)
+        m.d.comb += [fail.eq(self.dma_fail), code.eq(self.dma_fail_code)]
+        for bad, c in ((self.core_err, NPUError.CORE_REJECT), (self.reg_err, NPUError.REG_UNWRITTEN)):
+            with m.If(bad & busy):
+                m.d.comb += [fail.eq(1), code.eq(c)]
+        with m.If(self.ld_fail):
+            m.d.comb += [fail.eq(1), code.eq(NPUError.BUF_OVERWRITE)]
+        return fail, code
 
     def _issue(self, m, w, kvl, region, kv_gcnt, m_gcnt):
         """ISSUE state: the q tile's Q descriptor, then per kv tile K, V (when

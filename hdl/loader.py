@@ -38,10 +38,10 @@ from amaranth.utils import ceil_log2, exact_log2
 
 from flashnpu.config import NPUConfig
 
-from .core import BufSel, write_layout
 from .mem_common import addr_bits_for
 from .npu_map import COUNT_BITS, LEN_BITS, Tag, job_layout, qtile_layout, sram_map
 from .sram import SRAMPortSignature
+from .tilebuf import BufSel, write_layout
 
 __all__ = ["LoaderState", "TileLoader"]
 

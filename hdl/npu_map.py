@@ -16,7 +16,7 @@ from amaranth.utils import ceil_log2
 
 from flashnpu.config import NPUConfig
 
-from .core import cmd_layout
+from .core import LEN_BITS, cmd_layout
 from .csr import Field, Register, RegisterMap
 from .dma import descriptor_layout
 from .mem_common import word_bytes
@@ -37,9 +37,8 @@ WATCHDOG_DEFAULT = 1 << 20
 O_TILES = 4
 #: width of the job-wide counts of q tiles, descriptors and completions
 COUNT_BITS = 32
-#: width of the job's head counts, sequence lengths, head_dim and
-#: kv_valid_len in the CSRs (and of the kv-tile count in the core command)
-LEN_BITS = 16
+# LEN_BITS (from the core's command): width of the job's head counts,
+# sequence lengths, head_dim and kv_valid_len in the CSRs
 
 
 class NPUError(enum.IntEnum):
