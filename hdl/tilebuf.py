@@ -87,8 +87,8 @@ class TileBuffers(wiring.Component):
         Row within every PE column's K half (the step's ``b``).
     v_row : In(range(max(max_head_dim, Bc) + 1))
         Row within the V half (the step's ``k``; meaningful below Bc).
-    q_data : Out(ArrayLayout(16 * max_head_dim, R)); m_data : Out(ArrayLayout(Bc, R))
-    k_data : Out(ArrayLayout(16 * max_head_dim, C)); v_data : Out(16 * max_head_dim)
+    q_data[r] : Out(16 * max_head_dim), r < R; m_data[r] : Out(Bc), r < R
+    k_data[c] : Out(16 * max_head_dim), c < C; v_data : Out(16 * max_head_dim)
         The addressed rows, one cycle after the address.
     """
 
@@ -102,8 +102,10 @@ class TileBuffers(wiring.Component):
             "half": In(1), "q_row": In(range(config.rows_per_pe)),
             "k_row": In(range(config.cols_per_pe)),
             "v_row": In(range(max(config.max_head_dim, Bc) + 1)),
-            "q_data": Out(data.ArrayLayout(lanes, R)), "m_data": Out(data.ArrayLayout(Bc, R)),
-            "k_data": Out(data.ArrayLayout(lanes, C)), "v_data": Out(lanes),
+            # one port per row / column: a single R x 16 x max_head_dim-bit port
+            # reaches Amaranth's 65,536-bit limit of one net at 32 x 32, d 128
+            "q_data": Out(lanes).array(R), "m_data": Out(Bc).array(R),
+            "k_data": Out(lanes).array(C), "v_data": Out(lanes),
         })
 
     def elaborate(self, platform):
