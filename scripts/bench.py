@@ -31,10 +31,23 @@ import os
 import sys
 from pathlib import Path
 
-from flashnpu.config import DEFAULT, NPUConfig
+from tqdm import tqdm
+
+from flashnpu.config import DEFAULT, NPUConfig, small_config
+from flashnpu.errors import UsageError
 
 from .energy import SOURCES, TERMS, EnergyTable, energy_of
-from .perf_model import Job, RTLUnavailable, Timing, kv_tile_intensity, model, roofs
+from .perf_model import (
+    RTL_COUNTER_FIELDS,
+    Job,
+    RTLUnavailable,
+    Timing,
+    kv_tile_intensity,
+    model,
+    roofs,
+    rtl_core_counters,
+    rtl_counters_many,
+)
 
 SEQS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 SEQS_QUICK = (512, 1024, 2048)
@@ -221,7 +234,6 @@ def npu_rows(cfg: NPUConfig, jobs, measured, sim: str, per_counter: dict | None 
     """Validation rows of RTL NPU runs (``rtl_counters_many`` results): per
     counter ``model / rtl`` (one number when equal) and the worst relative
     error; ``per_counter`` (optional) collects [exact count, worst error]."""
-    from .perf_model import RTL_COUNTER_FIELDS
     rows = []
     for job, m in zip(jobs, measured):
         r = model(job, cfg, "register")
@@ -257,8 +269,6 @@ def validate_rtl(out: Path, sim: str, progress=None, core: bool = True, jobs=Non
     Each row holds, per counter, ``model / rtl`` and the relative error.
     Returns the JSON written; raises RTLUnavailable when neither level runs.
     """
-    from flashnpu.config import small_config
-    from .perf_model import rtl_core_counters, rtl_counters_many
     arrays = arrays or [(VALIDATION_CONFIG["rows"], VALIDATION_CONFIG["cols"])]
     rows, notes, exact = [], [], []
     for r_, c_ in arrays:
@@ -372,6 +382,7 @@ def _json_section(path: Path, producer: str) -> str:
 
 
 def write_plots(out: Path, res: dict) -> list[str]:
+    # deferred: matplotlib only for the plots (keeps `flashnpu --help` fast)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -706,7 +717,6 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
 
 def run(out: Path, quick: bool = False, show_progress: bool = True) -> dict:
     """Run every sweep, write the plots, the report and bench.json; return the results."""
-    from tqdm import tqdm
     out.mkdir(parents=True, exist_ok=True)
     seqs = SEQS_QUICK if quick else SEQS
     scaling_seq = 1024 if quick else 4096
@@ -729,13 +739,11 @@ def run(out: Path, quick: bool = False, show_progress: bool = True) -> dict:
 
 
 def main(args) -> int:
-    from flashnpu.cli import UsageError
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {args.out!r} exists and is not a folder")
     out.mkdir(parents=True, exist_ok=True)
     if args.validate_rtl:
-        from tqdm import tqdm
         try:
             total = sum(len(VALIDATION_JOBS_32 if a == (32, 32) else VALIDATION_JOBS)
                         for a in args.validate_arrays) + len(CORE_CASES)

@@ -32,13 +32,13 @@ import time
 from pathlib import Path
 
 from flashnpu.config import DEFAULT, small_config
+from flashnpu.sim.case import random_case
+from flashnpu.sim.rtl_backend import run_jobs
 
 PROMPT = "Once upon a time"
 
 
 def _sim_row(label, config, sim, case_kw):
-    from flashnpu.sim.case import random_case
-    from flashnpu.sim.rtl_backend import run_jobs
 
     case = random_case(config=config, **case_kw)
     t0 = time.time()

@@ -176,6 +176,7 @@ class DRAMModel(ByteStore):
         cycle and drives the answer right after the next rising edge.  Start
         it with ``cocotb.start_soon(model.cocotb_server(dut, dut.clk))``.
         """
+        # deferred: cocotb is importable only inside the simulator process
         from cocotb.triggers import FallingEdge, RisingEdge
 
         g = lambda n: getattr(dut, prefix + n)
