@@ -87,9 +87,11 @@ def format_stats(stats: dict, stop_reason: str) -> str:
         f"tokens/s (wall): {tps:.3g}" + (f"   (generate steps only: {dtps:.3g})" if dtps else ""),
         f"model load: {stats.get('load_seconds', float('nan')):.2f} s   prefill: {stats['prefill_seconds']:.2f} s "
         f"in {stats['prefill_chunks']} chunk(s)   generate: {stats['decode_seconds']:.2f} s",
-        "NPU cycles per token: " + (f"{cyc:,.0f}" if cyc is not None else f"n/a ({stats['backend']} backend has no clock)"),
+        "NPU cycles per token: " + (f"{cyc:,.0f}" if cyc is not None
+                                    else f"n/a ({stats['backend']} backend has no clock)"),
         f"attention jobs: {stats['jobs']}" + (f" ({stats['jobs_per_token']:.0f} per generated token, "
-                                              f"grouping '{stats['job_grouping']}')" if stats["jobs_per_token"] else ""),
+                                              f"grouping '{stats['job_grouping']}')"
+                                              if stats["jobs_per_token"] else ""),
         f"KV bytes moved: {_fmt_bytes(stats['kv_bytes_moved'])} (read by jobs {_fmt_bytes(stats['kv_read_bytes'])}, "
         f"written to the cache {_fmt_bytes(stats['kv_write_bytes'])})",
         "KV windows used (window: forward calls): "

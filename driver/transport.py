@@ -244,7 +244,7 @@ class Transport(abc.ABC):
     def _run(self, job: AttentionJob) -> JobResult:
         """Backend-specific execution of one job."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 -- a hook with a default, not abstract
         """Release simulator processes or devices (nothing by default)."""
 
     def backend_stats(self) -> dict:

@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="flashnpu",
         description="flashnpu: RTL model of a register-level, 3D-stacked NPU running FlashAttention.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, module in COMMANDS.items():
+    for module in COMMANDS.values():
         importlib.import_module(module).register(sub)
     return parser
 

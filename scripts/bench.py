@@ -592,10 +592,12 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
 
     L.append("## Model timing\n")
     L.append(_table(["phase", "cycles (d = 128)", "per", "source"],
-                    [["S = Q·Kᵀ", 128 * cfg.rows_per_pe * cfg.cols_per_pe, "tile pair", "d·wr·wc, one MAC per PE per cycle"],
+                    [["S = Q·Kᵀ", 128 * cfg.rows_per_pe * cfg.cols_per_pe, "tile pair",
+                      "d·wr·wc, one MAC per PE per cycle"],
                      ["softmax", tmr.softmax_cycles(cfg, 128), "tile pair", tmr.source(cfg, 128)],
                      ["P·V", cfg.bc * cfg.rows_per_pe * cfg.o_cols_per_pe(128), "tile pair", "Bc·wr·od"],
-                     ["init (m, l, O_acc)", tmr.init_cycles(cfg, 128), "q tile", tmr.source(cfg, 128).replace("calibrated", "program")],
+                     ["init (m, l, O_acc)", tmr.init_cycles(cfg, 128), "q tile",
+                      tmr.source(cfg, 128).replace("calibrated", "program")],
                      ["final (1/l, O scaling)", tmr.final_cycles(cfg, 128), "q tile",
                       tmr.source(cfg, 128) + " + reciprocal latency 27"],
                      ["O read-out", tmr.out_cycles(cfg, 128), "q tile", "Br·od beats + 1"],
@@ -671,7 +673,8 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
     L.append("## Sensitivity to the assumed energies\n")
     L.append(f"TSV energy per bit is an ASSUMPTION ({et.tsv_pj_per_bit} pJ/bit by default). "
              f"seq_len {res['tsv_seq']}, d = 128:\n")
-    L.append(_table(["TSV pJ/bit", "register-level µJ", "SRAM-spill µJ", "ratio (SRAM spill)", "ratio (off-chip spill)"],
+    L.append(_table(["TSV pJ/bit", "register-level µJ", "SRAM-spill µJ", "ratio (SRAM spill)",
+                     "ratio (off-chip spill)"],
                     [[r["tsv_pj_per_bit"], round(r["register"]["energy_uj"], 2), round(r["sram"]["energy_uj"], 2),
                       round(r["sram"]["energy_uj"] / r["register"]["energy_uj"], 3),
                       round(r["offchip"]["energy_uj"] / r["register"]["energy_uj"], 3)] for r in res["tsv"]]) + "\n")
@@ -690,7 +693,8 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
              "the NPU's timing terms follow `hdl/npu.py` (K/V resident in SRAM slots or streamed, two Q and two "
              "O regions, one DMA engine at one bus word per cycle, rows padded to whole bus words, skipped "
              "causal tiles but at least one kv tile per q tile); the constants of the first q tile's start, "
-             "the last O write-back and the controller set-up are fitted on 8x8 and 4x4 RTL runs; the K/V waits between pairs come from "
+             "the last O write-back and the controller set-up are fitted on 8x8 and 4x4 RTL runs; "
+             "the K/V waits between pairs come from "
              "a walk of the DMA / loader / core hand-shakes that the small arrays never exercise (see the "
              "validation section for the 32x32 check); a q tile costs a full tile of cycles however few rows "
              "are valid; O is written back in FP32; the RTL's `reg_bytes` counter counts only MAC accumulator "

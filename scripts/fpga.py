@@ -661,7 +661,8 @@ def markdown(record: dict) -> str:
             lines += [f"Estimated total: **{g['total']:,} generic cells** and **{g['memory_bits']:,} memory "
                       f"bits** ({g['memory_bits'] / 8 / 1024:,.1f} KiB) for {g['pes']:,} PEs; "
                       f"Yosys time {g['seconds']} s.", "",
-                      "| part | instances | own cells each (without the parts inside it) | memory bits each | synth (s) |",
+                      "| part | instances | own cells each (without the parts inside it) | memory bits each "
+                      "| synth (s) |",
                       "| --- | ---: | ---: | ---: | ---: |"]
             owncells = g.get("own_cells", {})
             for mname, p in parts.items():
@@ -671,7 +672,8 @@ def markdown(record: dict) -> str:
             rest_own = next((v for k, v in owncells.items() if k not in parts), None)
             if rest_own is None:            # records without own_cells: black boxes are direct children
                 rest_own = r["num_cells"] - sum(inst.values())
-            lines.append(f"| rest of `{g['top']}` | 1 | {_fmt(rest_own)} | {_fmt(r['memory']['bits'])} | {r['seconds']} |")
+            lines.append(f"| rest of `{g['top']}` | 1 | {_fmt(rest_own)} | {_fmt(r['memory']['bits'])} "
+                         f"| {r['seconds']} |")
             lines += ["", "| cell type | total |", "| --- | ---: |"]
             for k, val in g["total_cells"].items():
                 lines.append(f"| `{k}` | {_fmt(val)} |")

@@ -86,7 +86,8 @@ from flashnpu.config import DEFAULT, NPUConfig
 from flashnpu.sim.case import random_case
 
 __all__ = ["Job", "Timing", "rtl_program_cycles", "Counters", "OpDetail", "ModelResult", "model", "RTL_COUNTER_FIELDS",
-           "rtl_counters", "rtl_counters_many", "rtl_core_counters", "RTLUnavailable", "counters_from_stats", "calibrate_timing", "kv_tile_intensity",
+           "rtl_counters", "rtl_counters_many", "rtl_core_counters", "RTLUnavailable", "counters_from_stats",
+           "calibrate_timing", "kv_tile_intensity",
            "roofs", "useful_flops", "SPILL_LEVELS", "DESIGNS", "compare"]
 
 DESIGNS = ("register", "baseline")
@@ -737,7 +738,8 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     # 8x8 RTL: fixed part and a 2-cycle term for bank conflicts between the
     # loader's Q reads and the DMA's K writes when the Q load is long)
     conflict = nq0 // t.start_conflict_rows
-    nk0_dma = min(bc, job.seq_kv) if reuse else 2 * nk0   # resident: K_0 fetched whole; streamed: K_0 and V_0 (one commit)
+    # resident: K_0 fetched whole; streamed: K_0 and V_0 (one commit)
+    nk0_dma = min(bc, job.seq_kv) if reuse else 2 * nk0
     start_wait = (first_fixed + wq * nq0 + max(wql * nq0 - 1, wq * nk0_dma + conflict) + wql * nk0)
     start_stall = max(0, start_wait - init_cyc)
     # V_0: the DMA's write side holds two descriptors, so V_0's reads start

@@ -148,7 +148,7 @@ class DRAMModel(ByteStore):
         async def server(ctx):
             queue = deque()      # (ready_cycle, data)
             cycle = 0
-            async for clk_edge, rst, v, w, a, mk, wd in ctx.tick().sample(
+            async for _clk_edge, rst, v, w, a, mk, wd in ctx.tick().sample(
                     bk.req_valid, bk.req_write, bk.req_addr, bk.req_wmask, bk.req_wdata):
                 if rst:
                     queue.clear()

@@ -31,7 +31,7 @@ def test_harness_is_lint_clean(tmp_path):
 
 
 def test_boards_come_from_amaranth_boards():
-    for name, make in fpga.BOARDS.items():
+    for _name, make in fpga.BOARDS.items():
         b = make()
         assert b.device == "LFE5U-85F", b
         assert b.nextpnr_args[0] == "--85k"

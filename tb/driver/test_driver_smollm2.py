@@ -129,7 +129,8 @@ def test_generate_step_is_one_job_per_layer_with_all_heads(smollm2, girl_run):
     ids, res, shapes = girl_run
     n = len(ids)
     assert res.stats["jobs"] == 30 * 8 and res.stats["jobs_per_token"] == 30
-    assert shapes[0] == ((9, n, 64), (3, 64, 64), np.dtype(np.float16), np.dtype(np.float16))        # prefill, window 64
+    # prefill, window 64
+    assert shapes[0] == ((9, n, 64), (3, 64, 64), np.dtype(np.float16), np.dtype(np.float16))
     assert set(shapes[30:]) == {((9, 1, 64), (3, 64, 64), np.dtype(np.float16), np.dtype(np.float16))}
     assert res.stats["npu_cycles"] is None and res.stats["npu_cycles_per_token"] is None
 

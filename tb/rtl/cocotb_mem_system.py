@@ -183,14 +183,14 @@ async def rejected_descriptors_write_nothing(dut):
         await tb.sram_write(lo, bytes(tb.rng.getrandbits(8) for _ in range(hi - lo)))
     wr0, dwr0 = int(dut.sram_wr_bytes.value), int(dut.dram_wr_bytes.value)
     writes0 = tb.model.writes
-    for tag, (name, f, code) in enumerate(REJECTS):
+    for tag, (_name, f, _code) in enumerate(REJECTS):
         await tb.submit(tag, f["src"], f["dst"], f["rows"], f["bpr"], f["ss"], f["ds"],
                         f.get("dir", Direction.DRAM_TO_SRAM), f.get("pp_en", 0), f.get("pp_half", 0), 0,
                         expect_ok=False)
     await tb.wait_done(len(REJECTS))
     await ClockCycles(dut.clk, 20)
     got = dict(tb.completions)
-    for tag, (name, f, code) in enumerate(REJECTS):
+    for tag, (name, _f, code) in enumerate(REJECTS):
         assert got[tag] == code, f"{name}: expected {code.name}, got {got[tag].name}"
     assert int(dut.dma_n_rejected.value) == len(REJECTS)
     assert int(dut.dma_bytes_moved.value) == 0

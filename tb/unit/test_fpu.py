@@ -175,37 +175,45 @@ def vectors_add(rng, n):
     parts_c = [np.concatenate([np.zeros(len(sa)), np.ones(len(sa))])]
     q = -(-n // 8)                                      # eight groups below
     # random bit patterns
-    parts_a.append(rand_bits(rng, q)); parts_b.append(rand_bits(rng, q))
+    parts_a.append(rand_bits(rng, q))
+    parts_b.append(rand_bits(rng, q))
     # random normals, exponents within +-30 (every alignment distance, sticky)
     a = rand_normal(rng, q, 1, 254)
     d = rng.integers(-30, 31, q)
     b = f32(rng.integers(0, 2, q), np.clip(((a >> 23) & 0xFF).astype(np.int64) + d, 1, 254),
             rng.integers(0, 1 << 23, q))
-    parts_a.append(a); parts_b.append(b)
+    parts_a.append(a)
+    parts_b.append(b)
     # near cancellation: b = a +- a few ulps (and across a binade edge)
     a = rand_normal(rng, q, 1, 254)
     b = (a.astype(np.int64) + rng.integers(-4, 5, q)).astype(np.uint32) ^ np.uint32(0x80000000)
-    parts_a.append(a); parts_b.append(b)
+    parts_a.append(a)
+    parts_b.append(b)
     a = f32(rng.integers(0, 2, q), rng.integers(2, 254, q), rng.integers(0, 8, q))   # just above 2^e
     b = f32(1 - (a >> 31), ((a >> 23) & 0xFF) - 1, (1 << 23) - rng.integers(1, 9, q))  # just below
-    parts_a.append(a); parts_b.append(b)
+    parts_a.append(a)
+    parts_b.append(b)
     # results near the flush threshold 2^-126 (small exponents, cancellation)
     a = rand_normal(rng, q, 1, 4)
     b = rand_normal(rng, q, 1, 4)
-    parts_a.append(a); parts_b.append(b)
+    parts_a.append(a)
+    parts_b.append(b)
     # overflow region
     a = rand_normal(rng, q, 250, 254)
     b = rand_normal(rng, q, 250, 254)
-    parts_a.append(a); parts_b.append(b)
+    parts_a.append(a)
+    parts_b.append(b)
     # realistic attention values: scores and exponentials
     a = nx.bits32((rng.standard_normal(q) * 10.0 ** rng.uniform(-3, 3, q)).astype(np.float32))
     b = nx.bits32((rng.standard_normal(q) * 10.0 ** rng.uniform(-3, 3, q)).astype(np.float32))
-    parts_a.append(a); parts_b.append(b)
+    parts_a.append(a)
+    parts_b.append(b)
     # rounding ties: short significands, the small one landing on guard/round/sticky
     a = short_normal(rng, q, 30, 220)
     b = f32(rng.integers(0, 2, q), ((a >> 23) & 0xFF).astype(np.int64) - rng.integers(0, 30, q),
             short_normal(rng, q) & 0x7FFFFF)
-    parts_a.append(a); parts_b.append(b)
+    parts_a.append(a)
+    parts_b.append(b)
     a = np.concatenate(parts_a).astype(np.uint32)
     b = np.concatenate(parts_b).astype(np.uint32)
     c = np.concatenate(parts_c + [rng.integers(0, 2, len(a) - len(parts_c[0]))]).astype(np.uint32)
@@ -216,33 +224,39 @@ def vectors_mul(rng, n):
     sa, sb = pairs(SPECIALS32)
     parts_a, parts_b = [sa], [sb]
     q = -(-n // 6)                                      # six groups below
-    parts_a.append(rand_bits(rng, q)); parts_b.append(rand_bits(rng, q))
+    parts_a.append(rand_bits(rng, q))
+    parts_b.append(rand_bits(rng, q))
     # exponent sum at the flush threshold: e_a + e_b - 127 in [-2, 2]
     a = rand_normal(rng, q, 1, 127)
     eb = np.clip(127 + 1 - ((a >> 23) & 0xFF).astype(np.int64) + rng.integers(-2, 3, q), 1, 254)
     b = f32(rng.integers(0, 2, q), eb, rng.integers(0, 1 << 23, q))
-    parts_a.append(a); parts_b.append(b)
+    parts_a.append(a)
+    parts_b.append(b)
     # products within a few ulps of 2^-126 (the FTZ-before-rounding decision)
     x = rand_normal(rng, q, 64, 190)
     target = (2.0 ** -126) / nx.from_bits32(x).astype(np.float64)
     y = nx.bits32(np.abs(target).astype(np.float32))
     y = (y.astype(np.int64) + rng.integers(-2, 3, q)).astype(np.uint32)
-    parts_a.append(x); parts_b.append(y)
+    parts_a.append(x)
+    parts_b.append(y)
     # overflow: e_a + e_b - 127 in [252, 256]
     a = rand_normal(rng, q, 127, 254)
     eb = np.clip(127 + 254 - ((a >> 23) & 0xFF).astype(np.int64) + rng.integers(-2, 3, q), 1, 254)
     b = f32(rng.integers(0, 2, q), eb, rng.integers(0, 1 << 23, q))
-    parts_a.append(a); parts_b.append(b)
+    parts_a.append(a)
+    parts_b.append(b)
     # realistic values
     a = nx.bits32((rng.standard_normal(q) * 10.0 ** rng.uniform(-4, 4, q)).astype(np.float32))
     b = nx.bits32((rng.standard_normal(q) * 10.0 ** rng.uniform(-4, 4, q)).astype(np.float32))
-    parts_a.append(a); parts_b.append(b)
+    parts_a.append(a)
+    parts_b.append(b)
     # rounding ties: products of short significands (up to 27 significant bits),
     # and products whose lowest set bit sits around the guard bit
     parts_a.append(short_normal(rng, q // 2, 64, 190, 14))
     parts_b.append(short_normal(rng, q // 2, 64, 190, 14))
     a, b = mul_rounding_pairs(rng, q - q // 2)
-    parts_a.append(a); parts_b.append(b)
+    parts_a.append(a)
+    parts_b.append(b)
     a = np.concatenate(parts_a).astype(np.uint32)
     b = np.concatenate(parts_b).astype(np.uint32)
     return a, b, np.zeros_like(a)
@@ -257,7 +271,8 @@ def vectors_mac(rng, n):
     parts_acc, parts_op = [acc_s.ravel()], [ops[op_idx.ravel()]]
     q = -(-n // 6)                                      # six groups below
     # random bit patterns
-    parts_acc.append(rand_bits(rng, q)); parts_op.append(rand_bits(rng, q))
+    parts_acc.append(rand_bits(rng, q))
+    parts_op.append(rand_bits(rng, q))
     # realistic: fp16 activations, fp32 accumulators of the same scale
     a16 = (rng.standard_normal(q) * 10.0 ** rng.uniform(-2, 2, q)).astype(np.float16)
     b16 = (rng.standard_normal(q) * 10.0 ** rng.uniform(-2, 2, q)).astype(np.float16)
@@ -276,17 +291,20 @@ def vectors_mac(rng, n):
     a16 = rng.integers(0, 0x0800, q) | (rng.integers(0, 2, q) << 15)
     b16 = rng.integers(0, 0x7C00, q) | (rng.integers(0, 2, q) << 15)
     acc = rand_normal(rng, q, 60, 110)
-    parts_acc.append(acc); parts_op.append((a16 | (b16 << 16)).astype(np.uint32))
+    parts_acc.append(acc)
+    parts_op.append((a16 | (b16 << 16)).astype(np.uint32))
     # large products against accumulators at the top of the range
     a16 = rng.integers(0x7000, 0x7C00, q) | (rng.integers(0, 2, q) << 15)
     b16 = rng.integers(0x7000, 0x7C00, q) | (rng.integers(0, 2, q) << 15)
     acc = rand_normal(rng, q, 150, 254)
-    parts_acc.append(acc); parts_op.append((a16 | (b16 << 16)).astype(np.uint32))
+    parts_acc.append(acc)
+    parts_op.append((a16 | (b16 << 16)).astype(np.uint32))
     # rounding ties: short accumulators against products a few binades below
     a16 = rng.integers(0x3000, 0x4C00, q) | (rng.integers(0, 2, q) << 15)
     b16 = rng.integers(0x3000, 0x4C00, q) | (rng.integers(0, 2, q) << 15)
     acc = short_normal(rng, q, 127 + 10, 127 + 40)
-    parts_acc.append(acc); parts_op.append((a16 | (b16 << 16)).astype(np.uint32))
+    parts_acc.append(acc)
+    parts_op.append((a16 | (b16 << 16)).astype(np.uint32))
     a = np.concatenate(parts_acc).astype(np.uint32)
     b = np.concatenate(parts_op).astype(np.uint32)
     return a, b, np.zeros_like(a)
@@ -528,8 +546,13 @@ class FpuVectorHarness(wiring.Component):
             a = self.a[32 * k:32 * k + 32]
             b = self.b[32 * k:32 * k + 32]
             c = self.c[32 * k:32 * k + 32]
-            add = Fp32AddSub(); mul = Fp32Mul(); mac = Fp16Mac(); mx = Fp32Max()
-            ex = Exp2(); cvt = Fp32ToFp16(); rc = Recip()
+            add = Fp32AddSub()
+            mul = Fp32Mul()
+            mac = Fp16Mac()
+            mx = Fp32Max()
+            ex = Exp2()
+            cvt = Fp32ToFp16()
+            rc = Recip()
             for name, unit in (("add", add), ("mul", mul), ("mac", mac), ("max", mx),
                                ("exp2", ex), ("f16", cvt), ("recip", rc)):
                 m.submodules[f"{name}_{k}"] = unit

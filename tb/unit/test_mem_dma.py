@@ -226,7 +226,7 @@ def test_every_rejection_writes_nothing():
         await b.setup(ctx)
         ctx.set(b.dut.dram_lo, 0x1000)                # DRAM region [0x1000, end)
         await b.fill_sram(ctx, 0, _rand(b.rng, SRAM))
-        for tag, (name, f, code) in enumerate(REJECTS):
+        for tag, (_name, f, _code) in enumerate(REJECTS):
             await b.submit(ctx, tag, f["src"], f["dst"], f["rows"], f["bpr"], f["src_stride"], f["dst_stride"],
                            f.get("direction", Direction.DRAM_TO_SRAM), f.get("pp_en", 0), f.get("pp_half", 0),
                            0, expect_ok=False)
@@ -234,7 +234,7 @@ def test_every_rejection_writes_nothing():
         for _ in range(20):
             await ctx.tick()
         got = dict(b.done)
-        for tag, (name, f, code) in enumerate(REJECTS):
+        for tag, (name, _f, code) in enumerate(REJECTS):
             assert got[tag] == code, f"{name}: expected {code.name}, got {got[tag].name}"
         assert ctx.get(b.dut.dma_n_rejected) == len(REJECTS)
         assert ctx.get(b.dut.dma_bytes_moved) == 0
@@ -329,5 +329,6 @@ def test_link_faults(faults, ok):
 
 def test_bad_parameters():
     raises_quietly(ValueError, "queue_depth", lambda: DMA(CFG, queue_depth=0))
-    raises_quietly(ValueError, "dram_channel_bytes", lambda: DMA(tiny_mem_config(dram_channel_bytes=8, tsv_data_lanes=64)))
+    raises_quietly(ValueError, "dram_channel_bytes",
+                   lambda: DMA(tiny_mem_config(dram_channel_bytes=8, tsv_data_lanes=64)))
     raises_quietly(ValueError, "n_consumers", lambda: MemorySystem(CFG, n_consumers=-1))

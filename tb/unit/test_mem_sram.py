@@ -56,7 +56,7 @@ def test_random_traffic_three_ports_with_backdoor(seed):
             r = random.Random(seed * 10 + p)
             shadow = {}
             addrs = owner_addrs(p)
-            for i in range(n_ops):
+            for _i in range(n_ops):
                 a = r.choice(addrs[:16])
                 if a not in shadow or r.random() < 0.5:
                     wd = r.getrandbits(8 * W)
