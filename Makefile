@@ -27,10 +27,11 @@ JOBS      ?= 2
 CAUSAL_FLAG := $(if $(filter 1 yes true,$(CAUSAL)),--causal,--no-causal)
 WAVES_FLAG  := $(if $(filter 1 yes true,$(WAVES)),--waves build/waves/sim.vcd,)
 
-.PHONY: help venv sim test test-all verilog fpga waves decode bench clean
+.PHONY: help venv lint sim test test-all verilog fpga waves decode bench clean
 
 help:
 	@echo "make sim      RTL simulation of an attention job, checked against the golden model"
+	@echo "make lint     ruff (rules in pyproject.toml) over every Python file"
 	@echo "make test     the default test suite (about 8 min on 2 cores from a fresh clone)"
 	@echo "make test-all every test, including the slow ones"
 	@echo "make verilog  Verilog of the NPU (ROWS= COLS=)"
@@ -52,6 +53,9 @@ sim: $(STAMP)
 	$(BIN)/flashnpu sim --backend $(BACKEND) --sim $(SIM) --heads $(HEADS) --kv-heads $(KV_HEADS) \
 	  --seq-q $(SEQ_Q) --seq-kv $(SEQ_KV) --head-dim $(HEAD_DIM) $(CAUSAL_FLAG) --seed $(SEED) \
 	  --rows $(ROWS) --cols $(COLS) $(WAVES_FLAG)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(JOBS) -m "not slow" tb

@@ -20,14 +20,18 @@ import sys
 import numpy as np
 
 from flashnpu.config import DEFAULT, NPUConfig
+from flashnpu.errors import UsageError
+from flashnpu.sim.cli import array_config
+
+from .model import apply_chat_template, load_model
+from .runtime import CacheConfig, Decoder
+from .transport import BackendUnavailable, backend_names, make_transport
 
 __all__ = ["register", "run_decode", "format_stats", "npu_config"]
 
 
 def register(subparsers) -> None:
     """Add the ``decode`` sub-command."""
-    from .transport import backend_names
-
     p = subparsers.add_parser("decode", help="LLM decode through the NPU (SmolLM2-135M-Instruct)",
                               description=__doc__.splitlines()[0])
     p.add_argument("--prompt", required=True, help="prompt text")
@@ -66,14 +70,10 @@ def npu_config(rows: int, cols: int) -> NPUConfig:
 
     Raises
     ------
-    flashnpu.cli.UsageError
+    flashnpu.errors.UsageError
         a size the configuration rejects (the message names the value).
     """
-    import argparse
-
-    from flashnpu.sim.cli import _config
-
-    return _config(argparse.Namespace(rows=rows, cols=cols))
+    return array_config(rows, cols)
 
 
 def format_stats(stats: dict, stop_reason: str) -> str:
@@ -87,9 +87,11 @@ def format_stats(stats: dict, stop_reason: str) -> str:
         f"tokens/s (wall): {tps:.3g}" + (f"   (generate steps only: {dtps:.3g})" if dtps else ""),
         f"model load: {stats.get('load_seconds', float('nan')):.2f} s   prefill: {stats['prefill_seconds']:.2f} s "
         f"in {stats['prefill_chunks']} chunk(s)   generate: {stats['decode_seconds']:.2f} s",
-        "NPU cycles per token: " + (f"{cyc:,.0f}" if cyc is not None else f"n/a ({stats['backend']} backend has no clock)"),
+        "NPU cycles per token: " + (f"{cyc:,.0f}" if cyc is not None
+                                    else f"n/a ({stats['backend']} backend has no clock)"),
         f"attention jobs: {stats['jobs']}" + (f" ({stats['jobs_per_token']:.0f} per generated token, "
-                                              f"grouping '{stats['job_grouping']}')" if stats["jobs_per_token"] else ""),
+                                              f"grouping '{stats['job_grouping']}')"
+                                              if stats["jobs_per_token"] else ""),
         f"KV bytes moved: {_fmt_bytes(stats['kv_bytes_moved'])} (read by jobs {_fmt_bytes(stats['kv_read_bytes'])}, "
         f"written to the cache {_fmt_bytes(stats['kv_write_bytes'])})",
         "KV windows used (window: forward calls): "
@@ -106,19 +108,13 @@ def run_decode(args, out=None) -> dict:
 
     Raises
     ------
-    flashnpu.cli.UsageError
+    flashnpu.errors.UsageError
         bad sizes (also an array too small for the model's head_dim), a
         prompt that does not fit, an unavailable backend.
     RuntimeError
         the rtl backend's simulator session died or the NPU stopped a job
         (the message names the simulator's log file).
     """
-    from flashnpu.cli import UsageError
-
-    from .model import apply_chat_template, load_model
-    from .runtime import CacheConfig, Decoder
-    from .transport import BackendUnavailable, make_transport
-
     out = sys.stdout if out is None else out
 
     if args.max_new_tokens < 1:

@@ -343,6 +343,7 @@ def build_tokenizer(reader):
     ValueError
         for a tokenizer model other than ``gpt2``.
     """
+    # deferred: loading a model needs it, `flashnpu --help` does not
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     kind = _field(reader, "tokenizer.ggml.model")
@@ -376,6 +377,7 @@ def apply_chat_template(model: LlamaModel, user_text: str, system: str | None = 
     ``add_generation_prompt=True``, as Hugging Face's ``apply_chat_template``
     does.
     """
+    # deferred: loading a model needs it, `flashnpu --help` does not
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     template = model.metadata.get("chat_template") or FALLBACK_CHAT_TEMPLATE
@@ -391,6 +393,7 @@ def apply_chat_template(model: LlamaModel, user_text: str, system: str | None = 
 
 
 def _dequant(tensor) -> np.ndarray:
+    # deferred: loading a model needs it, `flashnpu --help` does not
     from gguf.quants import dequantize
 
     return np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
@@ -414,6 +417,7 @@ def load_model(path: str | os.PathLike | None = None) -> LlamaModel:
     ValueError
         an architecture other than ``llama``, or a missing tensor.
     """
+    # deferred: loading a model needs it, `flashnpu --help` does not
     from gguf import GGUFReader
 
     t0 = time.perf_counter()

@@ -288,6 +288,7 @@ class Decoder:
     def _blas_limit(self):
         if self.blas_threads is None:
             return contextlib.nullcontext()
+        # deferred: threadpoolctl only when a BLAS thread limit is asked for
         from threadpoolctl import threadpool_limits
 
         return threadpool_limits(limits=self.blas_threads, user_api="blas")

@@ -43,6 +43,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flashnpu.config import DEFAULT, NPUConfig
+from flashnpu.golden import flash_attention_hw
+from flashnpu.sim import runner
+from flashnpu.sim.case import AttentionCase
 
 __all__ = [
     "AttentionJob", "JobResult", "TransportCounters", "Transport", "GoldenTransport",
@@ -241,7 +244,7 @@ class Transport(abc.ABC):
     def _run(self, job: AttentionJob) -> JobResult:
         """Backend-specific execution of one job."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 -- a hook with a default, not abstract
         """Release simulator processes or devices (nothing by default)."""
 
     def backend_stats(self) -> dict:
@@ -265,7 +268,6 @@ class GoldenTransport(Transport):
     name = "golden"
 
     def _run(self, job: AttentionJob) -> JobResult:
-        from flashnpu.golden import flash_attention_hw
 
         res = flash_attention_hw(job.q, job.k, job.v, mask=job.mask, scale=job.scale, config=self.config)
         return JobResult(o=res.o, cycles=None, bytes=job_bytes(job, self.config))
@@ -323,7 +325,6 @@ class RTLTransport(Transport):
     def __init__(self, config: NPUConfig = DEFAULT, sim: str = "verilator", session: bool = True,
                  job_timeout_s: float = 3600.0, **_):
         super().__init__(config)
-        from flashnpu.sim import runner
         if not runner.have_simulator(sim):
             raise BackendUnavailable(f"the rtl backend needs the simulator {sim!r}")
         self.sim = sim
@@ -345,6 +346,8 @@ class RTLTransport(Transport):
         if not self.persistent:
             return None
         if self._session is None or not self._session.alive:
+            # deferred: the RTL backend imports amaranth and the NPU, which the
+            # golden backend (and `flashnpu --help`) does not need
             from flashnpu.sim.rtl_backend import NPUSession
             if self._session is not None:
                 self._session.close()
@@ -354,8 +357,9 @@ class RTLTransport(Transport):
         return self._session
 
     def _run(self, job: AttentionJob) -> JobResult:
+        # deferred: the RTL backend imports amaranth and the NPU, which the
+        # golden backend (and `flashnpu --help`) does not need
         from flashnpu.hdl.npu import NPUError
-        from flashnpu.sim.case import AttentionCase
         from flashnpu.sim.rtl_backend import run_jobs
 
         case = AttentionCase(q=np.ascontiguousarray(job.q), k=np.ascontiguousarray(job.k),

@@ -11,19 +11,19 @@ import argparse
 import importlib
 import sys
 
+from flashnpu.errors import UsageError
+
+__all__ = ["COMMANDS", "UsageError", "build_parser", "main"]
+
 # sub-command name -> module that defines register(subparsers)
 COMMANDS = {
     "sim": "flashnpu.sim.cli",
     "waves": "flashnpu.sim.waves",
     "decode": "flashnpu.driver.cli",
-    "verilog": "flashnpu.hdl.cli",
+    "verilog": "flashnpu.sim.verilog_cli",
     "fpga": "flashnpu.scripts.fpga",
     "bench": "flashnpu.scripts.bench",
 }
-
-
-class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="flashnpu",
         description="flashnpu: RTL model of a register-level, 3D-stacked NPU running FlashAttention.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, module in COMMANDS.items():
+    for module in COMMANDS.values():
         importlib.import_module(module).register(sub)
     return parser
 

@@ -151,7 +151,7 @@ def exp2_bits(x_bits) -> np.ndarray:
        ((n + 127) << 23) | (mant - 2^23).
 
     Error vs float64 2^x on [-126, 0]: at most 1.02e-6 relative (measured by
-    ``tb/test_numerics.py``; the interpolation bound is (ln 2)^2 / 8 / 256^2).
+    ``tb/model/test_numerics.py``; the interpolation bound is (ln 2)^2 / 8 / 256^2).
     """
     b = np.asarray(x_bits, dtype=np.uint32).astype(np.int64)
     sign = (b >> 31) & 1

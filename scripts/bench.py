@@ -31,10 +31,23 @@ import os
 import sys
 from pathlib import Path
 
-from flashnpu.config import DEFAULT, NPUConfig
+from tqdm import tqdm
+
+from flashnpu.config import DEFAULT, NPUConfig, small_config
+from flashnpu.errors import UsageError
 
 from .energy import SOURCES, TERMS, EnergyTable, energy_of
-from .perf_model import Job, RTLUnavailable, Timing, kv_tile_intensity, model, roofs
+from .perf_model import (
+    RTL_COUNTER_FIELDS,
+    Job,
+    RTLUnavailable,
+    Timing,
+    kv_tile_intensity,
+    model,
+    roofs,
+    rtl_core_counters,
+    rtl_counters_many,
+)
 
 SEQS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 SEQS_QUICK = (512, 1024, 2048)
@@ -221,7 +234,6 @@ def npu_rows(cfg: NPUConfig, jobs, measured, sim: str, per_counter: dict | None 
     """Validation rows of RTL NPU runs (``rtl_counters_many`` results): per
     counter ``model / rtl`` (one number when equal) and the worst relative
     error; ``per_counter`` (optional) collects [exact count, worst error]."""
-    from .perf_model import RTL_COUNTER_FIELDS
     rows = []
     for job, m in zip(jobs, measured):
         r = model(job, cfg, "register")
@@ -257,8 +269,6 @@ def validate_rtl(out: Path, sim: str, progress=None, core: bool = True, jobs=Non
     Each row holds, per counter, ``model / rtl`` and the relative error.
     Returns the JSON written; raises RTLUnavailable when neither level runs.
     """
-    from flashnpu.config import small_config
-    from .perf_model import rtl_core_counters, rtl_counters_many
     arrays = arrays or [(VALIDATION_CONFIG["rows"], VALIDATION_CONFIG["cols"])]
     rows, notes, exact = [], [], []
     for r_, c_ in arrays:
@@ -372,6 +382,7 @@ def _json_section(path: Path, producer: str) -> str:
 
 
 def write_plots(out: Path, res: dict) -> list[str]:
+    # deferred: matplotlib only for the plots (keeps `flashnpu --help` fast)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -581,10 +592,12 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
 
     L.append("## Model timing\n")
     L.append(_table(["phase", "cycles (d = 128)", "per", "source"],
-                    [["S = Q·Kᵀ", 128 * cfg.rows_per_pe * cfg.cols_per_pe, "tile pair", "d·wr·wc, one MAC per PE per cycle"],
+                    [["S = Q·Kᵀ", 128 * cfg.rows_per_pe * cfg.cols_per_pe, "tile pair",
+                      "d·wr·wc, one MAC per PE per cycle"],
                      ["softmax", tmr.softmax_cycles(cfg, 128), "tile pair", tmr.source(cfg, 128)],
                      ["P·V", cfg.bc * cfg.rows_per_pe * cfg.o_cols_per_pe(128), "tile pair", "Bc·wr·od"],
-                     ["init (m, l, O_acc)", tmr.init_cycles(cfg, 128), "q tile", tmr.source(cfg, 128).replace("calibrated", "program")],
+                     ["init (m, l, O_acc)", tmr.init_cycles(cfg, 128), "q tile",
+                      tmr.source(cfg, 128).replace("calibrated", "program")],
                      ["final (1/l, O scaling)", tmr.final_cycles(cfg, 128), "q tile",
                       tmr.source(cfg, 128) + " + reciprocal latency 27"],
                      ["O read-out", tmr.out_cycles(cfg, 128), "q tile", "Br·od beats + 1"],
@@ -660,7 +673,8 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
     L.append("## Sensitivity to the assumed energies\n")
     L.append(f"TSV energy per bit is an ASSUMPTION ({et.tsv_pj_per_bit} pJ/bit by default). "
              f"seq_len {res['tsv_seq']}, d = 128:\n")
-    L.append(_table(["TSV pJ/bit", "register-level µJ", "SRAM-spill µJ", "ratio (SRAM spill)", "ratio (off-chip spill)"],
+    L.append(_table(["TSV pJ/bit", "register-level µJ", "SRAM-spill µJ", "ratio (SRAM spill)",
+                     "ratio (off-chip spill)"],
                     [[r["tsv_pj_per_bit"], round(r["register"]["energy_uj"], 2), round(r["sram"]["energy_uj"], 2),
                       round(r["sram"]["energy_uj"] / r["register"]["energy_uj"], 3),
                       round(r["offchip"]["energy_uj"] / r["register"]["energy_uj"], 3)] for r in res["tsv"]]) + "\n")
@@ -679,7 +693,8 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
              "the NPU's timing terms follow `hdl/npu.py` (K/V resident in SRAM slots or streamed, two Q and two "
              "O regions, one DMA engine at one bus word per cycle, rows padded to whole bus words, skipped "
              "causal tiles but at least one kv tile per q tile); the constants of the first q tile's start, "
-             "the last O write-back and the controller set-up are fitted on 8x8 and 4x4 RTL runs; the K/V waits between pairs come from "
+             "the last O write-back and the controller set-up are fitted on 8x8 and 4x4 RTL runs; "
+             "the K/V waits between pairs come from "
              "a walk of the DMA / loader / core hand-shakes that the small arrays never exercise (see the "
              "validation section for the 32x32 check); a q tile costs a full tile of cycles however few rows "
              "are valid; O is written back in FP32; the RTL's `reg_bytes` counter counts only MAC accumulator "
@@ -706,7 +721,6 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
 
 def run(out: Path, quick: bool = False, show_progress: bool = True) -> dict:
     """Run every sweep, write the plots, the report and bench.json; return the results."""
-    from tqdm import tqdm
     out.mkdir(parents=True, exist_ok=True)
     seqs = SEQS_QUICK if quick else SEQS
     scaling_seq = 1024 if quick else 4096
@@ -729,13 +743,11 @@ def run(out: Path, quick: bool = False, show_progress: bool = True) -> dict:
 
 
 def main(args) -> int:
-    from flashnpu.cli import UsageError
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {args.out!r} exists and is not a folder")
     out.mkdir(parents=True, exist_ok=True)
     if args.validate_rtl:
-        from tqdm import tqdm
         try:
             total = sum(len(VALIDATION_JOBS_32 if a == (32, 32) else VALIDATION_JOBS)
                         for a in args.validate_arrays) + len(CORE_CASES)

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 from flashnpu.config import DEFAULT, NPUConfig
+from flashnpu.sim import runner
+from flashnpu.sim.core_driver import build_core
 
 
 def main(argv=None) -> int:
@@ -31,8 +33,6 @@ def main(argv=None) -> int:
     ap.add_argument("--cols", type=int, default=DEFAULT.array_cols)
     ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
-    from flashnpu.sim import runner
-    from flashnpu.tb.core_driver import build_core
 
     if (args.rows, args.cols) == (DEFAULT.array_rows, DEFAULT.array_cols):
         cfg = DEFAULT
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as td:
         rep = Path(td) / "report.json"
         t1 = time.time()
-        runner.run_cocotb(h, "flashnpu.tb.cocotb_core",
+        runner.run_cocotb(h, "flashnpu.sim.cocotb_core",
                           extra_env={"FLASHNPU_CORE_CASES": "bench", "FLASHNPU_CORE_REPORT": rep})
         run_wall = time.time() - t1
         report = json.loads(rep.read_text())

@@ -25,8 +25,9 @@ import sys
 import time
 from pathlib import Path
 
+from flashnpu.config import DEFAULT
 from flashnpu.sim import runner
-from flashnpu.tb.cocotb_mem_common import build_memsys, sim_mem_config
+from flashnpu.sim.memsys import build_memsys, sim_mem_config
 
 __all__ = ["design_points", "run", "render", "main"]
 
@@ -64,7 +65,7 @@ def run(quick: bool = False, points=None, out_dir: Path | None = None, params: d
         out = out_dir / f"{cfg.digest}.json"
         if out.exists():
             out.unlink()
-        runner.run_cocotb(handle, "flashnpu.tb.cocotb_mem_bench",
+        runner.run_cocotb(handle, "flashnpu.sim.cocotb_dma_bench",
                           extra_env={"FLASHNPU_BENCH": json.dumps(params), "FLASHNPU_BENCH_OUT": str(out)})
         r = json.loads(out.read_text())
         r["label"] = label
@@ -98,7 +99,6 @@ PARAMETERS = [
 
 def parameter_table() -> list[str]:
     """Markdown rows: memory-system parameters, defaults, and where they come from."""
-    from flashnpu.config import DEFAULT
     rows = ["| parameter | default | meaning | source / status |", "| --- | ---: | --- | --- |"]
     for name, meaning, src in PARAMETERS:
         rows.append(f"| `{name}` | {getattr(DEFAULT, name)} | {meaning} | {src} |")

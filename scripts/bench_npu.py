@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     seq = 128 if args.quick else 512
     prefill = random_case(1, 1, seq, seq, 128, False, 1, cfg)
     decode = random_case(9, 3, 1, 256, 64, False, 2, cfg)
-    check = random_case(1, 1, 80, 100, 128, True, 21, cfg)      # tb/test_npu_rtl.py's 32x32 job
+    check = random_case(1, 1, 80, 100, 128, True, 21, cfg)      # tb/rtl/test_npu_rtl.py's 32x32 job
     t0 = time.time()
     res = run_jobs([dict(case=prefill, name="prefill"), dict(case=decode, name="decode"),
                     dict(case=check, name="causal_check")], cfg, seed=3)

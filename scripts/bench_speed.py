@@ -14,7 +14,8 @@ Usage::
         [--tokens 16] [--rtl-tokens 2] [--rtl-array 8x8]
 
 ``--full`` adds the 32x32 NPU under Verilator (a ~6 min build the first
-time) and under Icarus (one small job: ~1 min build, ~3-8 min of simulation); ``--only`` rewrites one of the two files; ``--rtl-tokens 0`` leaves
+time) and under Icarus (one small job: ~1 min build, ~3-8 min of simulation); ``--only`` rewrites one of the two files;
+``--rtl-tokens 0`` leaves
 out the rtl decode.  Each decode row runs ``flashnpu decode --json`` in a
 subprocess: ``wall_s`` is that whole command (model load, NPU build check
 and simulator start-up included), ``tokens_per_s`` the decoder's own figure
@@ -32,13 +33,13 @@ import time
 from pathlib import Path
 
 from flashnpu.config import DEFAULT, small_config
+from flashnpu.sim.case import random_case
+from flashnpu.sim.rtl_backend import run_jobs
 
 PROMPT = "Once upon a time"
 
 
 def _sim_row(label, config, sim, case_kw):
-    from flashnpu.sim.case import random_case
-    from flashnpu.sim.rtl_backend import run_jobs
 
     case = random_case(config=config, **case_kw)
     t0 = time.time()

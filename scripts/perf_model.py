@@ -35,7 +35,7 @@ Design trade-off of the model itself: every pair of one q tile costs the same
 except the last (partial) kv tile, so the model is closed-form per q tile;
 only the K/V waits between pairs walk the kv tiles of a q tile (memoised, so
 a 32k-token sweep still takes seconds).  Nothing is simulated cycle by
-cycle; the RTL validation test (``tb/test_perf_model.py``, every counter
+cycle; the RTL validation test (``tb/model/test_perf_model.py``, every counter
 exact on 8x8 jobs) is what keeps the formulas honest.
 
 Every ASSUMPTION is marked where it is made.  The main ones:
@@ -74,16 +74,20 @@ Every ASSUMPTION is marked where it is made.  The main ones:
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
+import importlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from flashnpu.config import DEFAULT, NPUConfig
+from flashnpu.sim.case import random_case
 
 __all__ = ["Job", "Timing", "rtl_program_cycles", "Counters", "OpDetail", "ModelResult", "model", "RTL_COUNTER_FIELDS",
-           "rtl_counters", "rtl_counters_many", "rtl_core_counters", "RTLUnavailable", "counters_from_stats", "calibrate_timing", "kv_tile_intensity",
+           "rtl_counters", "rtl_counters_many", "rtl_core_counters", "RTLUnavailable", "counters_from_stats",
+           "calibrate_timing", "kv_tile_intensity",
            "roofs", "useful_flops", "SPILL_LEVELS", "DESIGNS", "compare"]
 
 DESIGNS = ("register", "baseline")
@@ -167,6 +171,8 @@ def rtl_program_cycles(config: NPUConfig, head_dim: int) -> dict | None:
         cannot be imported or its programs do not have the expected form.
     """
     try:
+        # deferred: the RTL imports amaranth, which `flashnpu --help` (through
+        # `flashnpu bench`) does not need
         from flashnpu.hdl.core import final_program, init_program, softmax_program
         from flashnpu.hdl.fpu import Recip
         from flashnpu.hdl.pe import TreeOp
@@ -732,7 +738,8 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     # 8x8 RTL: fixed part and a 2-cycle term for bank conflicts between the
     # loader's Q reads and the DMA's K writes when the Q load is long)
     conflict = nq0 // t.start_conflict_rows
-    nk0_dma = min(bc, job.seq_kv) if reuse else 2 * nk0   # resident: K_0 fetched whole; streamed: K_0 and V_0 (one commit)
+    # resident: K_0 fetched whole; streamed: K_0 and V_0 (one commit)
+    nk0_dma = min(bc, job.seq_kv) if reuse else 2 * nk0
     start_wait = (first_fixed + wq * nq0 + max(wql * nq0 - 1, wq * nk0_dma + conflict) + wql * nk0)
     start_stall = max(0, start_wait - init_cyc)
     # V_0: the DMA's write side holds two descriptors, so V_0's reads start
@@ -983,14 +990,11 @@ def rtl_counters(job: Job, config: NPUConfig = DEFAULT, sim: str = "verilator", 
     KeyError
         when the RTL runs but does not report every counter.
     """
-    import argparse
-    import importlib
     for mod in ("flashnpu.hdl.npu", "flashnpu.sim.rtl_backend"):
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as e:
             raise RTLUnavailable(f"{mod} is not importable yet ({e})") from None
-    from flashnpu.sim.case import random_case
     backend = importlib.import_module("flashnpu.sim.rtl_backend")
     case = random_case(job.heads, job.kv_heads, job.seq_q, job.seq_kv, job.head_dim, job.causal,
                        seed, config)
@@ -1010,13 +1014,13 @@ def rtl_counters_many(jobs, config: NPUConfig = DEFAULT, sim: str = "verilator",
     RTLUnavailable
         when ``flashnpu.hdl.npu`` or ``flashnpu.sim.rtl_backend`` cannot be imported.
     """
-    import importlib
     for mod in ("flashnpu.hdl.npu", "flashnpu.sim.rtl_backend"):
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as e:
             raise RTLUnavailable(f"{mod} is not importable yet ({e})") from None
-    from flashnpu.sim.case import random_case
+    # deferred: the RTL backend imports amaranth and the NPU, which `flashnpu
+    # --help` (through `flashnpu bench`) does not need
     from flashnpu.sim.rtl_backend import run_jobs
     specs = [dict(case=random_case(j.heads, j.kv_heads, j.seq_q, j.seq_kv, j.head_dim, j.causal, seed + i, config),
                   name=f"val{i}") for i, j in enumerate(jobs)]
@@ -1048,7 +1052,10 @@ def rtl_core_counters(config: NPUConfig, head_dim: int, n_kv: int, seed: int = 0
         when ``flashnpu.hdl.core`` cannot be imported.
     """
     try:
+        # deferred: amaranth and the RTL core, which `flashnpu --help`
+        # (through `flashnpu bench`) does not need
         from amaranth.sim import Simulator
+
         from flashnpu.hdl.core import BufSel, Core
     except ImportError as e:
         raise RTLUnavailable(f"flashnpu.hdl.core is not importable ({e})") from None

@@ -19,11 +19,16 @@ import importlib
 import json
 import time
 
-
-from flashnpu.cli import UsageError
 from flashnpu.config import DEFAULT, NPUConfig
-from flashnpu.golden import (ComparisonError, assert_bit_exact, flash_attention_hw,
-                             plain_fp16_attention, reference_attention, tolerance_check)
+from flashnpu.errors import UsageError
+from flashnpu.golden import (
+    ComparisonError,
+    assert_bit_exact,
+    flash_attention_hw,
+    plain_fp16_attention,
+    reference_attention,
+    tolerance_check,
+)
 
 from .case import CaseError, load_case, random_case, save_result
 
@@ -62,14 +67,22 @@ def register(sub):
     p.set_defaults(func=main)
 
 
-def _config(args) -> NPUConfig:
-    if (args.rows, args.cols) == (DEFAULT.array_rows, DEFAULT.array_cols):
+def array_config(rows: int, cols: int) -> NPUConfig:
+    """The NPU configuration of ``flashnpu sim --rows --cols`` (and of
+    ``flashnpu decode``): the default configuration at its own size.
+
+    Raises
+    ------
+    flashnpu.errors.UsageError
+        a size the configuration rejects (the message names the value).
+    """
+    if (rows, cols) == (DEFAULT.array_rows, DEFAULT.array_cols):
         return DEFAULT
     try:
         # Br = 2R, Bc = 2C; max_head_dim: the largest multiple of 8 up to the
         # default that fits the PE register budget of this array size.
-        cfg = NPUConfig(array_rows=args.rows, array_cols=args.cols, br=2 * args.rows,
-                        bc=2 * args.cols, max_head_dim=8)
+        cfg = NPUConfig(array_rows=rows, array_cols=cols, br=2 * rows,
+                        bc=2 * cols, max_head_dim=8)
         fits = [d for d in range(8, DEFAULT.max_head_dim + 1, 8)
                 if cfg.registers_needed(d) <= cfg.pe_registers]
         return cfg.replace(max_head_dim=fits[-1])
@@ -78,7 +91,7 @@ def _config(args) -> NPUConfig:
 
 
 def main(args) -> int:
-    config = _config(args)
+    config = array_config(args.rows, args.cols)
     try:
         if args.inputs:
             case = load_case(args.inputs, config)

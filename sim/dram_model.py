@@ -148,7 +148,7 @@ class DRAMModel(ByteStore):
         async def server(ctx):
             queue = deque()      # (ready_cycle, data)
             cycle = 0
-            async for clk_edge, rst, v, w, a, mk, wd in ctx.tick().sample(
+            async for _clk_edge, rst, v, w, a, mk, wd in ctx.tick().sample(
                     bk.req_valid, bk.req_write, bk.req_addr, bk.req_wmask, bk.req_wdata):
                 if rst:
                     queue.clear()
@@ -176,6 +176,7 @@ class DRAMModel(ByteStore):
         cycle and drives the answer right after the next rising edge.  Start
         it with ``cocotb.start_soon(model.cocotb_server(dut, dut.clk))``.
         """
+        # deferred: cocotb is importable only inside the simulator process
         from cocotb.triggers import FallingEdge, RisingEdge
 
         g = lambda n: getattr(dut, prefix + n)

