@@ -49,8 +49,7 @@ from flashnpu.config import NPUConfig
 from .core import cmd_layout
 from .csr import RegisterMap
 from .dma import Direction, descriptor_layout
-from .npu_map import (COUNT_BITS, JOB_REGS, LEN_BITS, NPUError, Tag, job_layout, otile_layout,
-                      qtile_layout, sram_map)
+from .npu_map import COUNT_BITS, JOB_REGS, LEN_BITS, NPUError, Tag, job_layout, otile_layout, qtile_layout, sram_map
 
 __all__ = ["CtrlState", "Controller"]
 

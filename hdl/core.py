@@ -678,7 +678,7 @@ class Core(wiring.Component):
         onto the array's buses) and the visibility bits.  Returns ``ctl_d``,
         the control word the array executes this cycle."""
         cfg = self.config
-        R, C, Bc = cfg.array_rows, cfg.array_cols, cfg.bc
+        R, C = cfg.array_rows, cfg.array_cols
         wr, wc, odm = self.regs.wr, self.regs.wc, self.regs.od
         cmd, od = s.cmd, s.od
         iss, iss_a, iss_b, iss_k, iss_n, iss_kc = s.iss, s.iss_a, s.iss_b, s.iss_k, s.iss_n, s.iss_kc

@@ -88,7 +88,13 @@ from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
 
 from flashnpu.golden.numerics import (
-    EXP2_FRAC_BITS, EXP2_INDEX_BITS, EXP2_INTERP_BITS, EXP2_TABLE, NAN32_BITS, ONE32_BITS)
+    EXP2_FRAC_BITS,
+    EXP2_INDEX_BITS,
+    EXP2_INTERP_BITS,
+    EXP2_TABLE,
+    NAN32_BITS,
+    ONE32_BITS,
+)
 
 __all__ = ["Fp32AddSub", "Fp32Mul", "Fp16Mac", "Fp32Max", "Exp2", "Fp32ToFp16", "Recip",
            "NAN32", "NAN16", "INF32", "ONE32"]
@@ -566,7 +572,7 @@ class Exp2(wiring.Component):
     """2^x for x <= 0 by table lookup and linear interpolation (combinational).
 
     Bit-exact with ``numerics.exp2_bits``.  Measured error vs float64 2^x on
-    [-126, 0] (exhaustively over every binary32 input, ``tb/test_fpu.py``):
+    [-126, 0] (exhaustively over every binary32 input, ``tb/unit/test_fpu.py``):
     at most 1.02e-6 relative (worst at x = -0.21289073).  The parts: the
     linear interpolation error of the chord, up to (ln 2)^2 / 8 / 256^2 =
     9.2e-7 in the middle of a table interval, the table entries' rounding
@@ -751,7 +757,7 @@ class Recip(wiring.Component):
     """Correctly rounded binary32 reciprocal, radix-2 restoring divider.
 
     Bit-exact with ``numerics.recip32`` (RNE, DAZ/FTZ); measured error vs
-    float64 1/x: at most 0.5 ulp (``tb/test_fpu.py``), i.e. correctly rounded.
+    float64 1/x: at most 0.5 ulp (``tb/unit/test_fpu.py``), i.e. correctly rounded.
 
     Datapath and timing::
 

@@ -129,8 +129,21 @@ from .dma_port import DMAPort
 from .dram import DRAMBackendSignature
 from .loader import LoaderState, TileLoader
 from .mem_common import addr_bits_for, strip_zero_memory_init
-from .npu_map import (COUNTERS, JOB_REGS, NPU_MODULE, QUEUE_DEPTH, NPUError, Tag, loader_lanes, o_chunk,
-                      o_lanes, register_map, sim_config, sram_map, tsv_map_regs)
+from .npu_map import (
+    COUNTERS,
+    JOB_REGS,
+    NPU_MODULE,
+    QUEUE_DEPTH,
+    NPUError,
+    Tag,
+    loader_lanes,
+    o_chunk,
+    o_lanes,
+    register_map,
+    sim_config,
+    sram_map,
+    tsv_map_regs,
+)
 from .owriter import OWriter
 from .tsv_ctl import TSVControl
 
