@@ -161,6 +161,14 @@ class LayerWeights:
 
 
 # --------------------------------------------------------------------- model
+_PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def _t64(w: np.ndarray) -> np.ndarray:
+    """float32 [out, in] -> contiguous float64 [in, out]."""
+    return np.ascontiguousarray(np.asarray(w).T, dtype=np.float64)
+
+
 @dataclass
 class LlamaModel:
     """A Llama model split at the attention call (see the module docstring).
@@ -195,6 +203,18 @@ class LlamaModel:
             raise ValueError(f"tok_embd shape {self.tok_embd.shape} != ({hp.vocab_size}, {hp.d_model})")
         i = np.arange(0, hp.n_rot, 2, dtype=np.float64)
         self._inv_freq = hp.rope_base ** (-i / hp.n_rot)          # [n_rot/2] float64
+        # float64 [in, out] copies of the projections for ``_linear``
+        self._w64 = [{name: _t64(getattr(lw, name)) for name in _PROJECTIONS} for lw in self.layers]
+        self._head64 = _t64(self.tok_embd if self.output is None else self.output)
+
+    def _linear(self, x: np.ndarray, w64: np.ndarray) -> np.ndarray:
+        """x @ W.T for float32 x [n, in]: accumulated in float64, rounded once
+        to float32.  A float32 BLAS picks its kernel and blocking by the
+        number of rows, so the same token's result changed with the chunk it
+        was in (chunked vs unchunked prefill differed by 4e-4 of the logit
+        scale under OpenBLAS' Haswell kernels); in float64 those differences
+        sit ~2^-29 below a float32 ulp and vanish in the rounding."""
+        return (x.astype(np.float64) @ w64).astype(np.float32)
 
     # ............................................................ building blocks
     def rms_norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -243,12 +263,12 @@ class LlamaModel:
         k : float32 [n_kv_heads, n, head_dim] (RoPE applied)
         v : float32 [n_kv_heads, n, head_dim]
         """
-        hp, w = self.hparams, self.layers[layer]
+        hp, w, w64 = self.hparams, self.layers[layer], self._w64[layer]
         h = self.rms_norm(x, w.attn_norm)
         n = x.shape[0]
-        q = (h @ w.wq.T).reshape(n, hp.n_heads, hp.head_dim).transpose(1, 0, 2)
-        k = (h @ w.wk.T).reshape(n, hp.n_kv_heads, hp.head_dim).transpose(1, 0, 2)
-        v = (h @ w.wv.T).reshape(n, hp.n_kv_heads, hp.head_dim).transpose(1, 0, 2)
+        q = self._linear(h, w64["wq"]).reshape(n, hp.n_heads, hp.head_dim).transpose(1, 0, 2)
+        k = self._linear(h, w64["wk"]).reshape(n, hp.n_kv_heads, hp.head_dim).transpose(1, 0, 2)
+        v = self._linear(h, w64["wv"]).reshape(n, hp.n_kv_heads, hp.head_dim).transpose(1, 0, 2)
         return self.rope(q, positions), self.rope(k, positions), np.ascontiguousarray(v)
 
     def finish_layer(self, layer: int, x: np.ndarray, o: np.ndarray) -> np.ndarray:
@@ -257,22 +277,21 @@ class LlamaModel:
         x : float32 [n, d_model]; o : float32 [n_heads, n, head_dim] (attention
         output per head).  Returns the new residual stream float32 [n, d_model].
         """
-        hp, w = self.hparams, self.layers[layer]
+        hp, w, w64 = self.hparams, self.layers[layer], self._w64[layer]
         n = x.shape[0]
         if o.shape != (hp.n_heads, n, hp.head_dim):
             raise ValueError(f"attention output shape {o.shape} != ({hp.n_heads}, {n}, {hp.head_dim})")
         attn = np.asarray(o, np.float32).transpose(1, 0, 2).reshape(n, hp.n_heads * hp.head_dim)
-        x = x + attn @ w.wo.T
+        x = x + self._linear(attn, w64["wo"])
         h = self.rms_norm(x, w.ffn_norm)
-        g = h @ w.w_gate.T
-        u = h @ w.w_up.T
+        g = self._linear(h, w64["w_gate"])
+        u = self._linear(h, w64["w_up"])
         act = g / (np.float32(1) + np.exp(-g)) * u                  # silu(g) · u
-        return x + act @ w.w_down.T
+        return x + self._linear(act, w64["w_down"])
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """Final RMSNorm and LM head: float32 [n, d_model] -> float32 [n, vocab_size]."""
-        out = self.tok_embd if self.output is None else self.output
-        return self.rms_norm(x, self.output_norm) @ out.T
+        return self._linear(self.rms_norm(x, self.output_norm), self._head64)
 
     # ............................................................ tokenizer helpers
     def encode(self, text: str) -> list:

@@ -90,9 +90,11 @@ def assert_logits_close(actual, desired, rel=1e-4):
     """|actual - desired| <= rel * max|desired| elementwise.
 
     Chunked and unchunked prefill differ only in the batch size of the host's
-    float32 matmuls (BLAS blocking changes the last bit, which the FP16 KV
-    cache can round to a neighbouring value), so they agree to a few 1e-5 of
-    the logit scale; a wrong position, mask or slot moves logits by O(1).
+    matmuls, which accumulate in float64 and round once (``LlamaModel._linear``),
+    so they are almost always bit-identical: a float64 blocking difference
+    changes a float32 result only when it sits within ~1e-16 of a rounding
+    boundary, and the FP16 KV cache can carry that last bit on.  A wrong
+    position, mask or slot moves logits by O(1).
     """
     actual, desired = np.asarray(actual), np.asarray(desired)
     assert actual.shape == desired.shape
