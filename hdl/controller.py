@@ -27,12 +27,10 @@ min(seq_kv, kv_valid_len, causal limit q0+nq-1+seq_kv-seq_q); tiles beyond
 it are neither loaded nor computed (``n_kv`` of the core command).  At least
 one tile runs, so a q tile without any visible key still yields zeros.
 
-K/V residency: when every kv tile of a KV head has a slot
-(ceil(min(seq_kv, kv_valid_len) / Bc) <= ``config.kv_slots``), the first q
-tile that needs kv tile j DMAs it, whole, into slot j and every later q tile
-of the group reads it from SRAM; the slots are rewritten for the next KV head
-only after the loader has taken the previous q tile.  Otherwise K/V stream
-through slots 0 and 1 as the DMA's ping-pong halves.
+K/V residency (argued in ``npu.py``): when every kv tile of a KV head has
+an SRAM slot, kv tile j is DMA'd once, into slot j, by the first q tile that
+needs it; otherwise K/V stream through slots 0 and 1 as the DMA's
+ping-pong halves.
 """
 
 from __future__ import annotations

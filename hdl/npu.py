@@ -63,26 +63,10 @@ Design trade-offs
   reused only after the write-back of q tile t-2 completed.  What stays in
   series: the first q tile's wait for Q and K_0 and the last q tile's O
   write-back.
-* **Loader between SRAM and the core.**  The core takes one whole FP16 row
-  per beat; the loader reads ``loader_lanes`` = 2 bus words per request (a
-  wide SRAM port: two banks at once), so a K+V tile pair (2*Bc*2*d bytes)
-  moves in half the ~2*Bc*d/C cycles the pair computes and the next q tile's
-  Q and K_0 load during the last P.V and the read-out.  Only the valid rows
-  of a partial tile are loaded (``last`` on the final one); the other rows
-  keep stale data, which the core masks (case A5).
-* **O row assembly.**  The core streams O in its natural layout (beat
-  (row, n) carries O[row, od*c + n] in lane c); the writer permutes one row
-  (od beats) into row-major FP32 in a register (one static permutation per
-  possible od) and writes it to the SRAM O region ``o_lanes`` words per
-  request (C FP32 lanes, 4 words at 32 x 32): a row's writes take no more
-  cycles than its od beats, so the read-out never waits.  The SRAM grants
-  its wide ports first, the widest first, so the O writer is not throttled
-  by the loader it overtakes.
-* **Skipping masked kv tiles.**  For q rows [q0, q0+nq) the last visible key
-  is min(seq_kv, kv_valid_len, causal limit q0+nq-1+seq_kv-seq_q); tiles
-  beyond it are neither loaded nor computed (``n_kv`` of the core command;
-  the golden model shows a fully masked tile changes no bit).  At least one
-  tile runs, so a q tile without any visible key still yields zeros.
+* **Loader between SRAM and the core** (two bus words per request), **O
+  row assembly** (C FP32 lanes per SRAM write, so the read-out never waits)
+  and **skipping masked kv tiles**: argued in ``loader.py``, ``owriter.py``
+  and ``controller.py``.
 * **Decode.**  When seq_q == 1 the controller stacks the query heads of one
   KV group on the q tile's rows (Q rows at the head stride, causal off — a
   no-op for one query row — and the core's ``seq_q`` = rows in the tile).
