@@ -91,7 +91,9 @@ class Controller(wiring.Component):
     link_ok : In(1)           both TSV links repaired and up.
     core_busy, core_err, reg_err : In(1)
         The core runs a q tile / refused a command / read an unwritten register.
-    ld_busy, ld_fail : In(1)  the tile loader holds a q tile / wrote a held buffer.
+    ld_busy, ld_fail : In(1), ld_fail_code : In(NPUError)
+        The tile loader holds a q tile / one of its checks fired (``BUF_OVERWRITE``,
+        ``KV_STALE``).
     dma_fail : In(1), dma_fail_code : In(NPUError), dma_code : In(8)
         A DMA check fired (DMA port), and the last DMA error code.
     dma_pending, dma_idle : In(1)
@@ -118,7 +120,7 @@ class Controller(wiring.Component):
         members.update({
             "start": In(1), "link_ok": In(1),
             "core_busy": In(1), "core_err": In(1), "reg_err": In(1),
-            "ld_busy": In(1), "ld_fail": In(1),
+            "ld_busy": In(1), "ld_fail": In(1), "ld_fail_code": In(NPUError),
             "dma_fail": In(1), "dma_fail_code": In(NPUError), "dma_code": In(8),
             "dma_pending": In(1), "dma_idle": In(1), "o_idle": In(1),
             "cmd": Out(stream.Signature(cmd_layout(config))),
@@ -222,6 +224,7 @@ class Controller(wiring.Component):
         stacked = Signal()                   # decode mapping: seq_q == 1
         job = self.job
         m.d.comb += [job.head_dim.eq(hd), job.mask_en.eq(mask_en), job.double_q.eq(self.debug.inject_double_q),
+                     job.kv_extra.eq(self.debug.inject_kv_extra), job.stale_limit.eq(self.kv_stale_limit),
                      self.pp_half_bytes.eq(Mux(job.resident, 0, self.map["pp_half"]))]
         n_kv_all = Signal(LEN_BITS + 1)
         m.d.comb += n_kv_all.eq(div_const(seq_kv + Bc - 1, Bc))
@@ -365,7 +368,7 @@ class Controller(wiring.Component):
     def _failure(self, m, busy):
         """(fail, code): a simulation-time check fired this cycle, and its
         ``NPUError``; the later source in this list wins: the DMA port's
-        checks, a core reject, an unwritten register, a loader overwrite."""
+        checks, a core reject, an unwritten register, the loader's checks."""
         fail = Signal()
         code = Signal(NPUError)
         m.d.comb += [fail.eq(self.dma_fail), code.eq(self.dma_fail_code)]
@@ -373,7 +376,7 @@ class Controller(wiring.Component):
             with m.If(bad & busy):
                 m.d.comb += [fail.eq(1), code.eq(c)]
         with m.If(self.ld_fail):
-            m.d.comb += [fail.eq(1), code.eq(NPUError.BUF_OVERWRITE)]
+            m.d.comb += [fail.eq(1), code.eq(self.ld_fail_code)]
         return fail, code
 
     def _issue(self, m, w, kvl, region, kv_gcnt, m_gcnt):

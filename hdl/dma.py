@@ -539,6 +539,9 @@ class MemorySystem(wiring.Component):
     sram_rd_bytes, sram_wr_bytes, dram_rd_bytes, dram_wr_bytes : Out(48)
     tsv_rd_words, tsv_wr_words : Out(32)
     dram_late : Out(1)
+    sram_stall : In(1 + n_consumers)
+        Test-only SRAM backpressure on the DMA's port (bit 0) and the
+        consumer ports (``StackedSRAM.stall``); 0 in normal operation.
     """
 
     def __init__(self, config, n_consumers: int = 1, queue_depth: int = 4, walking_bist: bool = True,
@@ -572,6 +575,7 @@ class MemorySystem(wiring.Component):
             "sram_rd_bytes": Out(48), "sram_wr_bytes": Out(48), "sram_conflict_cycles": Out(32),
             "dram_rd_bytes": Out(48), "dram_wr_bytes": Out(48), "dram_late": Out(1),
             "tsv_rd_words": Out(32), "tsv_wr_words": Out(32),
+            "sram_stall": In(1 + n_consumers),
         }
         if n_consumers and all(v == 1 for v in self.consumer_lanes):
             members["sram_ports"] = In(SRAMPortSignature(sab, self.wbytes)).array(n_consumers)
@@ -623,5 +627,6 @@ class MemorySystem(wiring.Component):
             self.dram_rd_bytes.eq(dram.rd_bytes), self.dram_wr_bytes.eq(dram.wr_bytes),
             self.dram_late.eq(dram.late),
             self.tsv_rd_words.eq(trd.words), self.tsv_wr_words.eq(twr.words),
+            sram.stall.eq(self.sram_stall),
         ]
         return m

@@ -22,9 +22,17 @@ resident K/V/mask tiles after their descriptors completed
 the ping-pong half, which the loader releases (``pp_release``) after V (or
 the mask) went out.
 
-Simulation-time check: ``fail`` (``BUF_OVERWRITE``) when a row write hits a
-buffer the core still holds — injectable with ``job.double_q``, which loads
-each Q tile twice.
+Simulation-time checks (``fail`` with ``fail_code``):
+
+* ``BUF_OVERWRITE``: a row write hits a buffer the core still holds —
+  injectable with ``job.double_q``, which loads each Q tile twice.
+* ``KV_STALE``: a K or V tile has been in the core's buffers (its ``full``
+  bit set) for ``job.stale_limit`` cycles without being consumed; ``stale``
+  names the buffer, the kv tile and the q tile.  A delivered tile normally
+  waits at most about two tile pairs (it is loaded while the previous kv
+  tile computes).  Injectable with ``job.kv_extra``: the loader delivers one
+  kv tile more than the core runs (without waiting for its data), so the
+  next q tile finds that half taken and the job stalls.
 """
 
 from __future__ import annotations
@@ -39,11 +47,11 @@ from amaranth.utils import ceil_log2, exact_log2
 from flashnpu.config import NPUConfig
 
 from .mem_common import addr_bits_for
-from .npu_map import COUNT_BITS, LEN_BITS, Tag, job_layout, qtile_layout, sram_map
+from .npu_map import COUNT_BITS, LEN_BITS, NPUError, Tag, job_layout, qtile_layout, sram_map
 from .sram import SRAMPortSignature
 from .tilebuf import BufSel, write_layout
 
-__all__ = ["LoaderState", "TileLoader"]
+__all__ = ["LoaderState", "TileLoader", "stale_layout"]
 
 
 class LoaderState(enum.IntEnum):
@@ -58,6 +66,11 @@ class LoaderState(enum.IntEnum):
     WM = 7
     M = 8
     REL = 9
+
+
+def stale_layout() -> data.StructLayout:
+    """The stale K/V tile of a ``KV_STALE`` error: buffer, kv tile, q tile."""
+    return data.StructLayout({"buf": BufSel, "tile": LEN_BITS, "q_tile": 8})
 
 
 class TileLoader(wiring.Component):
@@ -75,7 +88,9 @@ class TileLoader(wiring.Component):
     sram : Out(SRAMPortSignature)     ``LW`` bytes per request (reads only).
     wr : Out(stream(write_layout))    one row per beat into the core (always accepted).
     busy : Out(1)                     a q tile is being loaded.
-    fail : Out(1)                     a row write into a buffer the core holds.
+    fail : Out(1), fail_code : Out(NPUError)   a check fired (see the module docstring).
+    stale : Out(stale_layout)         the first stale tile: ``buf`` (BufSel), ``tile``
+        (kv tile index in its q tile), ``q_tile`` (q tiles handed over before it).
     """
 
     def __init__(self, config: NPUConfig):
@@ -91,7 +106,7 @@ class TileLoader(wiring.Component):
             "pp_full": In(2), "pp_release": Out(2),
             "sram": Out(SRAMPortSignature(addr_bits_for(config.sram_bytes, W) - exact_log2(LW // W), LW)),
             "wr": Out(stream.Signature(write_layout(config))),
-            "busy": Out(1), "fail": Out(1),
+            "busy": Out(1), "fail": Out(1), "fail_code": Out(NPUError), "stale": Out(stale_layout()),
         })
 
     def elaborate(self, platform):
@@ -117,6 +132,8 @@ class TileLoader(wiring.Component):
         m.d.comb += ld_nk.eq(Mux(ld_left >= Bc, Bc, Mux(ld_left == 0, 1, ld_left)))
         twice = Signal()                     # injected fault: load the Q tile again
         redo = Signal()
+        extra = Signal()                     # injected fault: one kv tile more than the core runs
+        extra_on = Signal()                  # ... it is being delivered
         m.d.comb += [self.busy.eq(ls != L.IDLE), self.qtile.ready.eq((ls == L.IDLE) & self.run)]
 
         seg = _Segments(m, cfg, mp, self.sram, nslot)
@@ -137,7 +154,8 @@ class TileLoader(wiring.Component):
         with m.Switch(ls):
             with m.Case(L.IDLE):
                 with m.If(self.qtile.valid & self.qtile.ready):
-                    m.d.sync += [ls.eq(L.WQ), lj.eq(0), twice.eq(job.double_q), t.eq(self.qtile.payload),
+                    m.d.sync += [ls.eq(L.WQ), lj.eq(0), twice.eq(job.double_q), extra.eq(job.kv_extra),
+                                 t.eq(self.qtile.payload),
                                  ld_left.eq(self.qtile.payload.kv_end)]
             with m.Case(L.WQ):
                 with m.If((cnt[Tag.Q] > t.seq) & (~full[BufSel.Q] | redo) & ~seg.on):
@@ -150,19 +168,19 @@ class TileLoader(wiring.Component):
                     with m.Else():
                         m.d.sync += ls.eq(L.WK)
             with m.Case(L.WK):
-                with m.If(k_in & kfree & ~seg.on):
+                with m.If((k_in | extra_on) & kfree & ~seg.on):
                     seg.start(Mux(lhalf, BufSel.K1, BufSel.K0), lslot, ld_nk, wql, rowW)
                     m.d.sync += ls.eq(L.K)
             with m.Case(L.K):
                 with m.If(seg.done):
                     m.d.sync += ls.eq(L.WV)
             with m.Case(L.WV):
-                with m.If(v_in & vfree & ~seg.on):
+                with m.If((v_in | extra_on) & vfree & ~seg.on):
                     seg.start(Mux(lhalf, BufSel.V1, BufSel.V0), lslot + mp["slot_v"], ld_nk, wql, rowW)
                     m.d.sync += ls.eq(L.V)
             with m.Case(L.V):
                 with m.If(seg.done):
-                    m.d.sync += ls.eq(Mux(job.mask_en, L.WM, L.REL))
+                    m.d.sync += ls.eq(Mux(job.mask_en & ~extra_on, L.WM, L.REL))
             with m.Case(L.WM):
                 with m.If(m_in & mfree & ~seg.on):
                     seg.start(BufSel.MASK, lmask, t.nq, 1, 1)
@@ -172,9 +190,13 @@ class TileLoader(wiring.Component):
                     m.d.sync += ls.eq(L.REL)
             with m.Case(L.REL):
                 with m.If(~seg.on):       # the last row write has gone out
-                    m.d.comb += self.pp_release.eq(Mux(job.resident, 0, Mux(lhalf, 0b10, 0b01)))
+                    m.d.comb += self.pp_release.eq(Mux(job.resident | extra_on, 0, Mux(lhalf, 0b10, 0b01)))
                     m.d.sync += [lj.eq(lj + 1), ld_left.eq(ld_left - ld_nk)]
-                    with m.If(lj + 1 == t.n_kv):
+                    with m.If(extra_on):
+                        m.d.sync += [ls.eq(L.IDLE), extra_on.eq(0)]
+                    with m.Elif((lj + 1 == t.n_kv) & extra):
+                        m.d.sync += [ls.eq(L.WK), extra.eq(0), extra_on.eq(1)]
+                    with m.Elif(lj + 1 == t.n_kv):
                         m.d.sync += ls.eq(L.IDLE)
                     with m.Else():
                         m.d.sync += ls.eq(L.WK)
@@ -184,10 +206,39 @@ class TileLoader(wiring.Component):
         m.d.sync += wr_sel.eq(seg.sel)
         m.d.comb += [self.wr.valid.eq(seg.wr_valid), self.wr.payload.sel.eq(wr_sel),
                      self.wr.payload.row.eq(seg.wr_row), self.wr.payload.last.eq(seg.wr_last),
-                     self.wr.payload.data.eq(seg.row_reg[:16 * mhd]),
-                     # simulation-time check: a row write into a buffer the core still holds
-                     self.fail.eq(seg.wr_valid & full.bit_select(wr_sel, 1))]
+                     self.wr.payload.data.eq(seg.row_reg[:16 * mhd])]
+        overwrite = seg.wr_valid & full.bit_select(wr_sel, 1)   # into a buffer the core still holds
+        stale = self._stale_check(m, lj, t.seq)
+        m.d.comb += [self.fail.eq(overwrite | stale),
+                     self.fail_code.eq(Mux(overwrite, NPUError.BUF_OVERWRITE, NPUError.KV_STALE))]
         return m
+
+    def _stale_check(self, m, lj, q_seq):
+        """KV_STALE: per K/V buffer half, the cycles its ``full`` bit has been
+        set while the job runs; the first half past ``job.stale_limit`` is
+        named in ``stale`` (returns the comb "a half is stale")."""
+        full = self.core_full
+        hit = Signal()
+        seen = Signal()
+        for b in (BufSel.K0, BufSel.V0, BufSel.K1, BufSel.V1):
+            age = Signal(32, name=f"age_{b.name.lower()}")
+            tile = Signal(LEN_BITS, name=f"tile_{b.name.lower()}")
+            q_tile = Signal(8, name=f"qtile_{b.name.lower()}")
+            # the kv tile a half holds: the loader's while it writes that half
+            with m.If(self.wr.valid & (self.wr.payload.sel == b)):
+                m.d.sync += [tile.eq(lj), q_tile.eq(q_seq[:8])]
+            with m.If(full[b] & self.run):
+                m.d.sync += age.eq(age + 1)
+            with m.Else():
+                m.d.sync += age.eq(0)
+            with m.If(full[b] & self.run & (age >= self.job.stale_limit)):
+                m.d.comb += hit.eq(1)
+                with m.If(~seen):
+                    m.d.sync += [seen.eq(1), self.stale.buf.eq(b), self.stale.tile.eq(tile),
+                                 self.stale.q_tile.eq(q_tile)]
+        with m.If(~self.run):
+            m.d.sync += seen.eq(0)
+        return hit
 
 
 class _Segments:

@@ -16,7 +16,8 @@ Dataflow, and which file holds which box
                     │        MemorySystem (dma.py): DMA, SRAM (sram.py), TSV links (tsv.py),
                     │        DRAM timing (dram.py) ──bk──► DRAM storage (sim/dram_model.py)
                     ├── PerfCounters (counters.py): cycles, bytes per level, ops
-                    └── TSVControl (tsv_ctl.py): self-test, repair map, fault injection
+                    ├── TSVControl (tsv_ctl.py): self-test, repair map, fault injection
+                    └── StallInjector (stall.py): test-only random SRAM backpressure
 
 Shared definitions (register map, SRAM map, error codes, DMA tags, the
 layouts of the streams between the blocks) are in ``npu_map.py`` and
@@ -129,6 +130,7 @@ from .npu_map import (
     tsv_map_regs,
 )
 from .owriter import OWriter
+from .stall import StallInjector
 from .tsv_ctl import TSVControl
 
 __all__ = ["NPUError", "Tag", "COUNTERS", "CtrlState", "LoaderState", "register_map", "sram_map",
@@ -188,6 +190,7 @@ class NPU(wiring.Component):
                                               consumer_lanes=(loader_lanes(cfg), o_lanes(cfg)))
         m.submodules.counters = cnt = PerfCounters(cfg)
         m.submodules.tsv_ctl = tsv = TSVControl(cfg, self.regmap)
+        m.submodules.stall = stall = StallInjector(3, self.regmap)   # DMA, loader, O writer SRAM ports
 
         # streams between the blocks
         wiring.connect(m, controller=ctrl.cmd, core=core.cmd)
@@ -205,12 +208,12 @@ class NPU(wiring.Component):
         wiring.connect(m, tsv_ctl=tsv.wr, memory=mem.tsv_wr)
         wiring.connect(m, memory=mem.bk, npu=wiring.flipped(self.bk))
 
-        self._wire_csrs(m, csr, ctrl, port, core, cnt, tsv)
+        self._wire_csrs(m, csr, ctrl, port, core, cnt, tsv, loader)
         # status and job flow between the blocks
         m.d.comb += [
             ctrl.link_ok.eq(tsv.ok),
             ctrl.core_busy.eq(core.busy), ctrl.core_err.eq(core.err), ctrl.reg_err.eq(core.reg_err),
-            ctrl.ld_busy.eq(loader.busy), ctrl.ld_fail.eq(loader.fail),
+            ctrl.ld_busy.eq(loader.busy), ctrl.ld_fail.eq(loader.fail), ctrl.ld_fail_code.eq(loader.fail_code),
             ctrl.dma_fail.eq(port.fail), ctrl.dma_fail_code.eq(port.fail_code), ctrl.dma_code.eq(port.dma_code),
             ctrl.dma_pending.eq(port.pending), ctrl.dma_idle.eq(port.idle), ctrl.o_idle.eq(ow.idle),
             port.beats.eq(mem.dma_beats), port.armed.eq(ctrl.running), port.clear.eq(ctrl.job_start),
@@ -222,6 +225,8 @@ class NPU(wiring.Component):
             mem.dram_lo.eq(0), mem.dram_hi.eq(cfg.dram_bytes), mem.sram_lo.eq(0), mem.sram_hi.eq(cfg.sram_bytes),
             mem.pp_base.eq(self.map["pp"]), mem.pp_half_bytes.eq(ctrl.pp_half_bytes),
             mem.pp_release.eq(loader.pp_release),
+            stall.ctl.eq(csr.port("stall", "value")), stall.start.eq(ctrl.job_start), stall.run.eq(ctrl.running),
+            mem.sram_stall.eq(stall.stall),
             cnt.clear.eq(ctrl.job_start), cnt.running.eq(ctrl.running), cnt.core_done.eq(core.done),
             cnt.core_n_kv.eq(ctrl.core_n_kv),
         ]
@@ -232,7 +237,7 @@ class NPU(wiring.Component):
                                                                    "tsv_rd_words", "tsv_wr_words")]
         return m
 
-    def _wire_csrs(self, m, csr, ctrl, port, core, cnt, tsv):
+    def _wire_csrs(self, m, csr, ctrl, port, core, cnt, tsv, loader):
         """The host's CSRs to and from the blocks, field by field."""
         m.d.comb += [csr.addr.eq(self.csr_addr), csr.w_en.eq(self.csr_w_en),
                      csr.w_data.eq(self.csr_w_data), csr.r_en.eq(self.csr_r_en),
@@ -249,6 +254,9 @@ class NPU(wiring.Component):
             core.inject.eq(Cat(debug.inject_skip_init, debug.inject_drop_s_write)),
             reg_check.reg.eq(core.reg_err_addr), reg_check.phase.eq(core.reg_err_phase),
             reg_check.tile.eq(core.reg_err_tile),
+            csr.port("kv_check", "status").buf.eq(loader.stale.buf),
+            csr.port("kv_check", "status").tile.eq(loader.stale.tile),
+            csr.port("kv_check", "status").q_tile.eq(loader.stale.q_tile),
             tsv.ctl.eq(csr.port("tsv_ctl", "pulse")), tsv.repair.eq(csr.port("tsv_repair", "value")),
             csr.port("tsv_status", "status").eq(tsv.status),
         ]

@@ -21,7 +21,7 @@ from .csr import Field, Register, RegisterMap
 from .dma import descriptor_layout
 from .mem_common import word_bytes
 
-__all__ = ["NPU_MODULE", "QUEUE_DEPTH", "WATCHDOG_DEFAULT", "O_TILES", "COUNT_BITS", "LEN_BITS",
+__all__ = ["NPU_MODULE", "QUEUE_DEPTH", "WATCHDOG_DEFAULT", "KV_STALE_DEFAULT", "O_TILES", "COUNT_BITS", "LEN_BITS",
            "NPUError", "Tag", "COUNTERS", "DESC_REGS", "JOB_REGS", "register_map", "tsv_lane_bits",
            "loader_lanes", "o_lanes", "o_chunk", "sram_map", "sim_config",
            "job_layout", "qtile_layout", "otile_layout"]
@@ -32,6 +32,11 @@ NPU_MODULE = "flashnpu_npu"
 QUEUE_DEPTH = 4
 #: reset value of the ``watchdog`` register (cycles without DMA progress)
 WATCHDOG_DEFAULT = 1 << 20
+#: reset value of ``kv_stale_limit``: cycles a K/V tile may wait in the core's
+#: buffers; a tile waits at most about two tile pairs in a normal job
+#: (2 x ~1,050 cycles at 32 x 32, head_dim 128), so this only fires on a tile
+#: that is never consumed (or under heavy injected stalls)
+KV_STALE_DEFAULT = 1 << 16
 #: q tiles handed to the core whose O write-back has not been issued yet
 #: (entries of the O writer's destination table)
 O_TILES = 4
@@ -57,6 +62,7 @@ class NPUError(enum.IntEnum):
     BUF_OVERWRITE = 11    #: a tile-buffer write into a half the core still holds
     CORE_REJECT = 12      #: the core refused a q-tile command
     REG_UNWRITTEN = 13    #: a PE register was read before it was written (see ``reg_check``)
+    KV_STALE = 14         #: a K/V tile sat in the core's buffers unconsumed too long (see ``kv_check``)
 
 
 class Tag(enum.IntEnum):
@@ -82,7 +88,7 @@ DESC_REGS = ("q_base", "k_base", "v_base", "o_base", "mask_base",
              "mask_head_stride", "mask_tile_stride")
 
 #: the registers that describe a job (the controller's inputs)
-JOB_REGS = ("heads", "seq", "head_dim", "flags", "kv_valid_len", "scale_c", "debug") + DESC_REGS
+JOB_REGS = ("heads", "seq", "head_dim", "flags", "kv_valid_len", "scale_c", "debug", "kv_stale_limit") + DESC_REGS
 
 
 def register_map(config: NPUConfig) -> RegisterMap:
@@ -115,11 +121,22 @@ def register_map(config: NPUConfig) -> RegisterMap:
                                     Field("inject_skip_init", 1, 2,
                                           "the core's INIT program issues NOPs: m_i, l_i, O_acc unwritten (tests)"),
                                     Field("inject_drop_s_write", 1, 3,
-                                          "kv tile 1's first S step issues a NOP: S(0, 0) unwritten (tests)")]))
+                                          "kv tile 1's first S step issues a NOP: S(0, 0) unwritten (tests)"),
+                                    Field("inject_kv_extra", 1, 4,
+                                          "the loader delivers one kv tile more than the core runs (tests)")]))
     rm.add(Register("reg_check", "ro", [Field("reg", 12, 0, "PE register index (core.register_name)"),
                                         Field("phase", 4, 12, "core Phase of the reading step"),
                                         Field("tile", 16, 16, "kv tile of the reading step")],
                     doc="the first PE register read before it was written (error REG_UNWRITTEN)"))
+    rm.add(Register("stall", "rw", [Field("rate", 4, 0, "SRAM ports stall with probability rate/16 (0: off)"),
+                                    Field("seed", 16, 16, "LFSR seed, loaded at job start")],
+                    doc="test-only random backpressure on the SRAM ports (hdl/stall.py)"))
+    rm.add(Register("kv_stale_limit", "rw", doc="cycles a delivered K/V tile may wait unconsumed "
+                    "in the core's buffers (error KV_STALE)", reset=KV_STALE_DEFAULT))
+    rm.add(Register("kv_check", "ro", [Field("buf", 3, 0, "core buffer (core.BufSel: K0, V0, K1, V1)"),
+                                       Field("tile", LEN_BITS, 8, "kv tile index within its q tile"),
+                                       Field("q_tile", 8, 24, "q tile of the job (low 8 bits)")],
+                    doc="the K/V tile that went stale (error KV_STALE)"))
     rm.add(Register("tsv_ctl", "w1p", [Field("bist_rd", 1, 0), Field("bist_wr", 1, 1),
                                        Field("repair_we", 1, 2, "write tsv_repair into a map")]))
     rm.add(Register("tsv_repair", "rw", [Field("idx", 8, 0), Field("lane", 16, 8), Field("valid", 1, 24),
@@ -236,10 +253,11 @@ def job_layout(config: NPUConfig) -> data.StructLayout:
     running job, driven by the controller: ``head_dim`` and ``mask_en`` (from
     the CSRs), ``od`` (O columns per PE, ceil(head_dim / C)) and ``resident``
     (every kv tile of a KV head has an SRAM slot), both set when the job
-    passes its checks, and ``double_q`` (``debug.inject_double_q``)."""
+    passes its checks, ``double_q`` and ``kv_extra`` (``debug.inject_double_q``,
+    ``debug.inject_kv_extra``), and ``stale_limit`` (``kv_stale_limit``)."""
     return data.StructLayout({
-        "head_dim": LEN_BITS, "mask_en": 1, "double_q": 1, "resident": 1,
-        "od": range(config.o_cols_per_pe(config.max_head_dim) + 1),
+        "head_dim": LEN_BITS, "mask_en": 1, "double_q": 1, "kv_extra": 1, "resident": 1,
+        "od": range(config.o_cols_per_pe(config.max_head_dim) + 1), "stale_limit": 32,
     })
 
 

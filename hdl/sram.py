@@ -108,6 +108,10 @@ class StackedSRAM(wiring.Component):
         granted because another port held its bank (or its output FIFO was full).
     err_addr : Out(1)
         Sticky: a request addressed a row beyond ``sram_bytes``.
+    stall : In(n_ports)
+        Test-only backpressure: functional port p is granted nothing in a
+        cycle with ``stall[p]`` set (counted as a conflict cycle); 0 in
+        normal operation.
 
     Raises
     ------
@@ -147,6 +151,7 @@ class StackedSRAM(wiring.Component):
             "wr_bytes": Out(48),
             "conflict_cycles": Out(32),
             "err_addr": Out(1),
+            "stall": In(n_ports),
         })
         if not narrow:
             self.ports = [getattr(self, f"port{p}") for p in range(n_ports)]
@@ -191,7 +196,8 @@ class StackedSRAM(wiring.Component):
         row_of = []
         for p, port in enumerate(allp):
             w = Signal(name=f"want{p}")
-            m.d.comb += w.eq(port.req.valid & (port.req.payload.write | can_read[p]))
+            stalled = self.stall[p] if p != BD else 0
+            m.d.comb += w.eq(port.req.valid & (port.req.payload.write | can_read[p]) & ~stalled)
             want.append(w)
             b = Signal(max(1, gbits[p]), name=f"bank{p}")
             r = Signal(range(max(2, 1 << (self.addr_bits - self.bank_bits))), name=f"row{p}")

@@ -18,7 +18,19 @@ A job spec names an input
 ``.npz`` (the ``flashnpu sim`` file contract), an output ``.npz``, register
 overrides (rejection tests), a debug-register value (fault injection),
 optional ``tsv_fault`` register values (stuck-at TSV lanes, written before
-the self-test) and an optional watchdog limit.  For every job the testbench acts as the host:
+the self-test), an optional watchdog limit and optional ``stress``, random
+idle and backpressure on every interface the testbench reaches, all drawn
+from the job's seed and logged:
+
+* ``dram_delay``: each DRAM response comes up to that many cycles later
+  (random; within the modelled latency, so the RTL's timing and every
+  counter stay the same);
+* ``host_idle``: up to that many idle cycles before each host bus access;
+* ``sram_stall``: the NPU's SRAM ports are refused their grant with
+  probability ``sram_stall`` / 16 per cycle (``stall`` register,
+  ``hdl/stall.py``): the job takes longer and must still be bit-exact.
+
+For every job the testbench acts as the host:
 
 1. reset, run both TSV self-tests through ``tsv_ctl`` and check the links;
 2. write Q, K, V (and the mask) into the DRAM storage model, and a sentinel
@@ -39,6 +51,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
 
 import cocotb
@@ -47,7 +60,7 @@ from cocotb.clock import Clock
 from cocotb.triggers import ClockCycles, FallingEdge
 
 from flashnpu.config import NPUConfig
-from flashnpu.hdl.core import Phase, register_name
+from flashnpu.hdl.core import BufSel, Phase, register_name
 from flashnpu.hdl.npu import COUNTERS, NPUError, register_map
 from flashnpu.hdl.tsv import LinkStatus
 from flashnpu.sim.case import AttentionCase
@@ -65,12 +78,21 @@ class XValueError(ValueError):
 class Host:
     """The host side: CSR bus master and DRAM backdoor."""
 
-    def __init__(self, dut, model: DRAMModel):
+    def __init__(self, dut, model: DRAMModel, idle: int = 0, rng: random.Random | None = None):
         self.dut = dut
         self.model = model
+        self.idle = int(idle)
+        self.rng = rng or random.Random(0)
+
+    async def _idle(self):
+        if self.idle:
+            n = self.rng.randint(0, self.idle)
+            if n:
+                await ClockCycles(self.dut.clk, n)
 
     async def write(self, name: str, value: int):
         d = self.dut
+        await self._idle()
         await FallingEdge(d.clk)
         d.csr_addr.value = RMAP[name].address
         d.csr_w_data.value = int(value) & 0xFFFFFFFF
@@ -80,6 +102,7 @@ class Host:
 
     async def read(self, name: str) -> int:
         d = self.dut
+        await self._idle()
         await FallingEdge(d.clk)
         d.csr_addr.value = RMAP[name].address
         d.csr_r_en.value = 1
@@ -139,8 +162,11 @@ async def run_job(dut, spec, seed):
                              kv_valid_len=int(z["kv_valid_len"]) if "kv_valid_len" in z.files else None,
                              scale=float(z["scale"]) if "scale" in z.files else None)
     plan = plan_job(case, CFG, overrides=spec.get("overrides"))
-    model = DRAMModel(CFG, seed=seed)
-    host = Host(dut, model)
+    stress = spec.get("stress") or {}
+    model = DRAMModel(CFG, seed=seed, max_extra_delay=int(stress.get("dram_delay", 0)))
+    host = Host(dut, model, idle=int(stress.get("host_idle", 0)), rng=random.Random(seed))
+    if stress:
+        dut._log.info(f"job {spec['name']}: stress {stress}, seed {seed}")
     await reset(dut)
     server = cocotb.start_soon(model.cocotb_server(dut, dut.clk))
     t0 = time.time()
@@ -156,6 +182,8 @@ async def run_job(dut, spec, seed):
     if spec.get("watchdog") is not None:
         await host.write("watchdog", int(spec["watchdog"]))
     await host.write("debug", int(spec.get("debug", 0)))
+    if stress.get("sram_stall"):
+        await host.write("stall", RMAP["stall"].pack(rate=int(stress["sram_stall"]), seed=seed & 0xFFFF))
     await host.write("irq", 0b11)
     await host.write("ctrl", 1)
     timeout = int(spec.get("timeout") or 20_000_000)
@@ -200,9 +228,15 @@ async def run_job(dut, spec, seed):
                          phase=Phase(rc["phase"]).name, tile=rc["tile"])
         dut._log.error(f"job {spec['name']}: PE register {rc['reg']} ({reg_check['reg_name']}) was read "
                        f"before it was written (core phase {reg_check['phase']}, kv tile {rc['tile']})")
+    kv_check = None
+    if err == NPUError.KV_STALE:
+        kc = RMAP["kv_check"].unpack(await host.read("kv_check"))
+        kv_check = dict(buf=BufSel(kc["buf"]).name, tile=kc["tile"], q_tile=kc["q_tile"])
+        dut._log.error(f"job {spec['name']}: kv tile {kc['tile']} of q tile {kc['q_tile']} sat in core "
+                       f"buffer {kv_check['buf']} unconsumed for kv_stale_limit cycles")
     meta = dict(name=spec["name"], error=err, error_name=msg, dma_code=int(st["dma_code"]),
                 irq=irq, o_untouched=bool(untouched), counters=cnt, wall_s=round(wall, 3),
-                sram_bytes_sim=CFG.sram_bytes, tsv=tsv, reg_check=reg_check)
+                sram_bytes_sim=CFG.sram_bytes, tsv=tsv, reg_check=reg_check, kv_check=kv_check)
     np.savez(spec["out"], o=out, meta_json=np.array(json.dumps(meta)))
 
 

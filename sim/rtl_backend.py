@@ -134,15 +134,18 @@ def plan_job(case, config: NPUConfig, base: int = 0x1000, overrides: dict | None
                 o_extent=(oa, oa + o_bytes))
 
 
-def build_npu(config: NPUConfig, sim: str = "verilator", waves=False, quiet: bool = False):
+def build_npu(config: NPUConfig, sim: str = "verilator", waves=False, quiet: bool = False,
+              x_random: bool = False):
     """Build (or reuse) the NPU model for ``sim_config(config)``; returns the runner's handle.
-    ``quiet``: the simulator build's output goes to ``build.log`` in the build folder."""
+    ``quiet``: the simulator build's output goes to ``build.log`` in the build folder;
+    ``x_random``: a Verilator model with random power-up values (``runner.build``)."""
     scfg = sim_config(config)
     return runner.build(lambda: NPU(scfg, pe_as_instance=True), scfg, NPU_MODULE, sim=sim,
                         waves=waves, key="npu",
                         verilog_text=lambda top: npu_verilog(scfg, top=top),
                         meta={"regmap": register_map(scfg).to_dict()},
-                        build_args=["--hierarchical"] if sim == "verilator" else None, quiet=quiet)
+                        build_args=["--hierarchical"] if sim == "verilator" else None, quiet=quiet,
+                        x_random=x_random)
 
 
 def _timeout(case, config: NPUConfig) -> int:
@@ -178,7 +181,8 @@ def _job_spec(job: dict, tag: str, folder: Path, config: NPUConfig, seed: int) -
     return dict(inputs=str(cp), out=str(folder / f"res{tag}.npz"),
                 overrides=job.get("overrides", {}), debug=int(job.get("debug", 0)),
                 watchdog=job.get("watchdog"), timeout=job.get("timeout") or _timeout(job["case"], config),
-                name=job.get("name", f"job{tag}"), seed=int(seed), tsv_fault=job.get("tsv_fault") or {})
+                name=job.get("name", f"job{tag}"), seed=int(seed), tsv_fault=job.get("tsv_fault") or {},
+                stress=job.get("stress") or {})
 
 
 def _build_info(h) -> dict:
@@ -203,21 +207,26 @@ def _log_tail(log: Path, n: int = 3000) -> str:
 
 
 def run_jobs(jobs, config: NPUConfig, sim: str = "verilator", waves=None, seed: int = 0,
-             workdir=None, quiet: bool = True) -> list:
+             workdir=None, quiet: bool = True, x_seed: int | None = None) -> list:
     """Run several jobs in one cocotb session on one NPU build (batch mode).
 
     ``jobs``: list of dicts with ``case`` (AttentionCase) and optional
     ``overrides`` (register values, e.g. a bad head_dim), ``debug`` (value
     of the debug register), ``watchdog``, ``timeout`` (cycles), ``tsv_fault``
     (``{"tsv_fault_rd"|"tsv_fault_wr": value}``, written before the TSV
-    self-test).  Returns one
+    self-test), ``stress`` (``{"dram_delay", "host_idle", "sram_stall"}``:
+    random DRAM response delay, host idle cycles, SRAM stall rate / 16; see
+    ``sim/cocotb_npu.py``).  Returns one
     dict per job: ``o`` (float32 [heads, seq_q, head_dim]), ``error``
     (NPUError int), ``dma_code``, ``o_untouched`` (bool: the O region still
     holds the sentinel), ``counters`` (dict), ``wall_s``, ``build`` info,
     ``tsv`` (links' status and repair maps, jobs with ``tsv_fault`` only) and
-    ``reg_check`` (the offending register read, error REG_UNWRITTEN only).
+    ``reg_check`` (the offending register read, error REG_UNWRITTEN only)
+    and ``kv_check`` (the stale K/V tile, error KV_STALE only).
     ``quiet``: cocotb's output goes to ``cocotb.log`` in the work folder
-    (its tail is shown when a run fails).  Every job is known up front; a
+    (its tail is shown when a run fails).  ``x_seed`` (Verilator): every
+    register and memory word powers up random from this seed instead of 0
+    (a separate build); results must not change.  Every job is known up front; a
     caller that makes jobs one at a time (the driver) uses ``NPUSession``.
 
     Raises
@@ -227,7 +236,7 @@ def run_jobs(jobs, config: NPUConfig, sim: str = "verilator", waves=None, seed: 
         the message ends with the tail of the log.
     """
     wopts = waves if isinstance(waves, WaveOptions) else bool(waves)
-    h = build_npu(config, sim=sim, waves=wopts)
+    h = build_npu(config, sim=sim, waves=wopts, x_random=x_seed is not None)
     tmp = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="flashnpu-npu-"))
     tmp.mkdir(parents=True, exist_ok=True)
     specs = [_job_spec(job, str(i), tmp, config, seed + i) for i, job in enumerate(jobs)]
@@ -235,7 +244,7 @@ def run_jobs(jobs, config: NPUConfig, sim: str = "verilator", waves=None, seed: 
     jf.write_text(json.dumps(specs))
     log = tmp / "cocotb.log"
     try:
-        runner.run_cocotb(h, "flashnpu.sim.cocotb_npu", testcase="npu_jobs", seed=seed,
+        runner.run_cocotb(h, "flashnpu.sim.cocotb_npu", testcase="npu_jobs", seed=seed, x_seed=x_seed,
                           log_file=log if quiet else None,
                           extra_env={"FLASHNPU_NPU_JOBS": str(jf), "FLASHNPU_SEED": seed})
     except AssertionError as e:
@@ -269,6 +278,8 @@ class NPUSession:
     seed : int
         Seed of the DRAM model of every job (the batch mode of one job uses
         the same).
+    x_seed : int, optional
+        Verilator: random power-up values from this seed (see ``run_jobs``).
     workdir : path, optional
         Folder for the FIFOs, job files and ``cocotb.log`` (default: a new
         temporary folder, removed by a clean ``close``).
@@ -297,7 +308,7 @@ class NPUSession:
     """
 
     def __init__(self, config: NPUConfig, sim: str = "verilator", seed: int = 0, workdir=None,
-                 start_timeout_s: float = 600.0, job_timeout_s: float = 3600.0):
+                 start_timeout_s: float = 600.0, job_timeout_s: float = 3600.0, x_seed: int | None = None):
         if not isinstance(config, NPUConfig):
             raise TypeError(f"config must be an NPUConfig, not {config!r}")
         for name, v in (("start_timeout_s", start_timeout_s), ("job_timeout_s", job_timeout_s)):
@@ -307,6 +318,7 @@ class NPUSession:
         self.config = config
         self.sim = sim
         self.seed = int(seed)
+        self.x_seed = x_seed
         self.job_timeout_s = float(job_timeout_s)
         self.jobs_done = 0
         self.pid = None
@@ -318,7 +330,7 @@ class NPUSession:
         self.dir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="flashnpu-npu-session-"))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.log_file = self.dir / "cocotb.log"
-        self._handle = build_npu(config, sim=sim, quiet=True)
+        self._handle = build_npu(config, sim=sim, quiet=True, x_random=x_seed is not None)
         self._build_info = _build_info(self._handle)
         for name in ("req.fifo", "rsp.fifo"):
             (self.dir / name).unlink(missing_ok=True)
@@ -355,7 +367,7 @@ class NPUSession:
     def _serve(self):
         try:
             runner.run_cocotb(self._handle, "flashnpu.sim.cocotb_npu", testcase="npu_server", seed=self.seed,
-                              log_file=self.log_file,
+                              log_file=self.log_file, x_seed=self.x_seed,
                               extra_env={"FLASHNPU_NPU_SERVER": str(self.dir), "FLASHNPU_SEED": self.seed})
         except BaseException as e:          # also SystemExit, which cocotb's runner raises under pytest
             self._thread_exc = e

@@ -25,6 +25,13 @@ lives in one place:
   ``flashnpu_waves`` with ``$dumpvars``/``$dumpoff``.  ``run_cocotb(...,
   waves=...)`` picks another window (and, under Verilator, scope) for the
   same build, or ``waves=False`` to run it without dumping.
+* Initial values: Verilator builds start every variable at 0
+  (``--x-initial fast``) unless ``build(..., x_random=True)``: then
+  ``--x-initial unique --x-assign unique``, and ``run_cocotb(...,
+  x_seed=S)`` gives every register and memory word a random power-up value
+  from seed S (``+verilator+rand+reset+2``), so a missing reset shows up as
+  a result that changes with S.  Icarus is 4-state: X until reset or
+  written.
 """
 
 from __future__ import annotations
@@ -214,6 +221,7 @@ class BuildHandle:
     config_json : the NPUConfig as JSON (passed to tests as FLASHNPU_CONFIG)
     waves : False, True (cocotb's full dump) or the WaveOptions it was built for
     meta : free-form information from the caller (JSON-able)
+    x_random : built for random power-up values (``run_cocotb``'s ``x_seed``)
     """
 
     sim: str
@@ -223,13 +231,14 @@ class BuildHandle:
     config_json: str
     waves: bool | WaveOptions = False
     meta: dict = field(default_factory=dict)
+    x_random: bool = False
 
 
 def build(top_factory: Callable[[], object], config, name: str, sim: str = "verilator",
           waves: bool | WaveOptions = False, key: str = "",
           verilog_text: Callable[[object], str] | None = None,
           meta: dict | None = None, build_args: list[str] | None = None,
-          quiet: bool = False) -> BuildHandle:
+          quiet: bool = False, x_random: bool = False) -> BuildHandle:
     """Generate Verilog for ``top_factory()`` and build it once per configuration.
 
     Parameters
@@ -252,6 +261,9 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
     quiet : bool
         Send the simulator build's output to ``build.log`` in the build folder
         instead of stdout (e.g. under ``flashnpu decode --json``).
+    x_random : bool
+        Verilator: power-up values and X assignments random per run
+        (``run_cocotb``'s ``x_seed``) instead of 0; ignored by Icarus.
 
     Returns
     -------
@@ -284,12 +296,15 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
     if _SOURCE_DIGEST is None:
         _SOURCE_DIGEST = _source_digest()
     cfg_json = config.to_json() if config is not None else "{}"
+    x_random = bool(x_random) and sim == "verilator"
+    x_args = ["--x-assign", "unique", "--x-initial", "unique"] if x_random else \
+        ["--x-assign", "fast", "--x-initial", "fast"]
     wkey = waves.build_key(sim) if windowed else str(bool(waves))
     simkey = [_ICARUS_TEXT_VERSION] if sim == "icarus" else []
     if hier:
         simkey.append(hashlib.sha256(HIER_NEW_CPP.read_bytes()).hexdigest())
     digest = hashlib.sha256("\n".join([cfg_json, key, wkey, _SOURCE_DIGEST, *simkey,
-                                       " ".join(build_args or [])]).encode()).hexdigest()[:12]
+                                       " ".join((build_args or []) + x_args)]).encode()).hexdigest()[:12]
     bdir = BUILD_ROOT / "sim" / f"{name}-{sim}-{digest}"
     bdir.mkdir(parents=True, exist_ok=True)
     vfile = bdir / f"{name}.v"
@@ -328,7 +343,7 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
                     vlt.write_text("`verilator_config\n"
                                    f"public_flat_rw -module \"{name}\" -var \"*\"\n")
                     sources.append(vlt)
-                    args = VERILATOR_WAIVERS + ["-O3", "--x-assign", "fast", "--x-initial", "fast"] + args
+                    args = VERILATOR_WAIVERS + ["-O3"] + x_args + args
                     if hier:
                         # hier_block wrappers read an uninitialised sequence
                         # number; see the comment in vl_zero_new.cpp
@@ -359,12 +374,12 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
     if windowed:
         check_scopes(waves, vfile.read_text(), name)       # also for a cached build
     return BuildHandle(sim=sim, toplevel=name, build_dir=bdir / "sim", verilog=vfile,
-                       config_json=cfg_json, waves=waves, meta=info.get("meta", {}))
+                       config_json=cfg_json, waves=waves, meta=info.get("meta", {}), x_random=x_random)
 
 
 def run_cocotb(handle: BuildHandle, test_module: str, testcase=None, extra_env: dict | None = None,
                seed: int | None = None, test_dir: Path | None = None, log_file: Path | None = None,
-               waves: bool | WaveOptions | None = None) -> Path:
+               waves: bool | WaveOptions | None = None, x_seed: int | None = None) -> Path:
     """Run cocotb tests of ``test_module`` on a built model; raise on failure.
 
     The configuration reaches the tests as JSON in ``FLASHNPU_CONFIG``; the
@@ -372,11 +387,14 @@ def run_cocotb(handle: BuildHandle, test_module: str, testcase=None, extra_env: 
     ``waves`` (default: what the handle was built with) may give another
     ``WaveOptions`` for a model built with one -- any window and depth; the
     scope too under Verilator -- or False to run without dumping.
+    ``x_seed`` (a positive int; a Verilator build made with ``x_random``):
+    the seed of the random power-up values.
 
     Raises
     ------
     AssertionError when any cocotb test failed (the message names how many).
-    ValueError when ``waves`` asks for something the build cannot dump.
+    ValueError when ``waves`` asks for something the build cannot dump, or
+    ``x_seed`` is given for a build without random power-up values.
     """
     # deferred: cocotb_tools is only needed when a simulator runs
     from cocotb_tools.check_results import get_results
@@ -398,6 +416,11 @@ def run_cocotb(handle: BuildHandle, test_module: str, testcase=None, extra_env: 
         opts.path.parent.mkdir(parents=True, exist_ok=True)
         opts.path.unlink(missing_ok=True)
         plusargs = opts.plusargs(handle.toplevel)
+    if x_seed is not None:
+        if not handle.x_random or isinstance(x_seed, bool) or not isinstance(x_seed, int) or x_seed < 1:
+            raise ValueError(f"x_seed={x_seed!r} needs a positive int and a Verilator build made "
+                             "with x_random=True")
+        plusargs = plusargs + ["+verilator+rand+reset+2", f"+verilator+seed+{x_seed}"]
     runner = _get_runner(handle.sim, vvp_format=opts.fmt if plusargs and handle.sim == "icarus"
                          else None)
     runner.build_dir = handle.build_dir

@@ -10,8 +10,11 @@ bit-exact against ``flash_attention_hw`` with the same configuration.
   watchdog).
 * the default 32 x 32 array once (head_dim 128, causal, two kv tiles):
   ``test_npu_32x32_default`` (slow build, marked ``slow``).
-* a 4 x 4 array under Icarus (X-propagating): one causal job over two kv
-  tiles, ``test_npu_4x4_icarus``.
+* a 4 x 4 and an 8 x 8 array under Icarus (4-state, X-propagating): causal
+  jobs over several kv tiles, ``test_npu_icarus``.
+* random power-up values (Verilator ``--x-initial unique``) under two seeds:
+  the same outputs, counters and cycle counts as the zero-initialised build,
+  ``test_npu_random_power_up``.
 * the wide SRAM ports the loader and the O writer use (amaranth.sim):
   ``test_sram_wide_ports``.
 """
@@ -35,6 +38,9 @@ from flashnpu.tb.helpers import tiny_mem_config
 pytestmark = pytest.mark.rtl
 
 CFG8 = NPUConfig(array_rows=8, array_cols=8, br=16, bc=16, max_head_dim=128)
+#: ``kv_stale_limit`` of the stale-tile jobs: 4x the longest wait of a K/V
+#: tile at 8 x 8 (about one tile pair, 2 * Bc * Br * 128 / 64 = 512 cycles)
+STALE_LIMIT = 2048
 
 
 def _f16(rng, *shape, scale=1.0):
@@ -121,6 +127,18 @@ def _jobs(cfg):
     add("inj_overwrite", long, kind=("fault", NPUError.BUF_OVERWRITE), debug=1)
     add("inj_queue", long, kind=("fault", NPUError.QUEUE_OVERFLOW), debug=2)
     add("inj_watchdog", long, kind=("fault", NPUError.WATCHDOG), watchdog=20)
+    # one kv tile more than the core runs: it sits in K0/V0, the next q tile
+    # cannot load its K_0 there, and the stale-tile check names it
+    two_q = random_case(1, 1, 32, 32, 16, False, 13)
+    add("inj_kv_stale", two_q, kind=("fault", NPUError.KV_STALE), debug=1 << 4,
+        overrides=dict(kv_stale_limit=STALE_LIMIT))
+    # random idle and backpressure (seeded, logged by the testbench): SRAM
+    # stalls make the job longer; DRAM response delays within the modelled
+    # latency and host idle cycles change nothing, counters included
+    add("stress_gqa", J[[n for n, _, _ in J].index("gqa")][1]["case"], kind=("stress", "gqa"),
+        stress=dict(sram_stall=6, dram_delay=90, host_idle=4), overrides=dict(kv_stale_limit=STALE_LIMIT))
+    add("stress_decode_mask", AttentionCase(dec.q, dec.k, dec.v, mask=dm), kind=("stress", "decode_mask"),
+        stress=dict(dram_delay=90, host_idle=4))
     # still fine after the faults
     add("after_faults", random_case(2, 2, 9, 30, 48, True, 12))
     return J
@@ -199,10 +217,41 @@ def test_npu_rejects(results8, name):
     assert r["irq"] == 0b11
 
 
-@pytest.mark.parametrize("name", ["inj_overwrite", "inj_queue", "inj_watchdog"])
+@pytest.mark.parametrize("name", ["inj_overwrite", "inj_queue", "inj_watchdog", "inj_kv_stale"])
 def test_npu_simulation_checks(results8, name):
     _, kind, r = results8[name]
     assert r["error"] == kind[1], f"{name}: expected {kind[1].name}, got {r['error_name']}"
+
+
+def test_npu_kv_stale_names_the_tile(results8):
+    """The injected extra kv tile (index 2 of q tile 0; Bc = 16, seq_kv 32)
+    lands in K0/V0, where the core takes it for q tile 1's K_0 and V_0; the
+    loader's real K_0 of q tile 1 then waits in K0 and is never consumed (the
+    core has moved on to kv tile 1), so that is the tile the check names."""
+    _, _, r = results8["inj_kv_stale"]
+    assert r["kv_check"] == dict(buf="K0", tile=0, q_tile=1)
+    assert r["irq"] == 0b11
+
+
+#: counters that only timing changes (the rest count work and must not move)
+TIMING_COUNTERS = ("total_cycles", "dma_stall_cycles")
+
+
+@pytest.mark.parametrize("name", ["stress_gqa", "stress_decode_mask"])
+def test_npu_random_backpressure(results8, name):
+    """Random SRAM stalls, DRAM response delays and host idle cycles: the
+    output is bit-identical to the job without them and every work counter
+    equal; SRAM stalls only add cycles, the others not even that."""
+    job, kind, r = results8[name]
+    _, _, base = results8[kind[1]]
+    _check_exact(name, job, r, CFG8)
+    assert _same_bits(r["o"], base["o"])
+    work = {k: v for k, v in r["counters"].items() if k not in TIMING_COUNTERS}
+    assert work == {k: v for k, v in base["counters"].items() if k not in TIMING_COUNTERS}
+    if job["stress"].get("sram_stall"):
+        assert r["counters"]["total_cycles"] > base["counters"]["total_cycles"]
+    else:
+        assert r["counters"] == base["counters"]
 
 
 @pytest.mark.slow
@@ -216,17 +265,44 @@ def test_npu_32x32_default():
     assert r["counters"]["kv_tiles"] == 2 + 2
 
 
-def test_npu_4x4_icarus():
+@pytest.mark.parametrize("size", [4, 8])
+def test_npu_icarus(size):
     """The whole NPU under Icarus: CSR, DMA descriptors, TSV, SRAM and core
-    with X-initialised large memories and Verilog event semantics; bit-exact
-    with the golden model, every kv tile fetched."""
+    with X-initialised registers before reset and X-initialised memories, and
+    Verilog event semantics; bit-exact with the golden model and with the
+    Verilator run's counters, every kv tile of the causal job fetched."""
     if not runner.have_simulator("icarus"):
         pytest.skip("Icarus Verilog is not installed (apt-get install iverilog)")
-    cfg = small_config(4, 4)
-    case = random_case(1, 1, 12, 12, 16, True, 23)
-    r = run_jobs([dict(case=case, name="icarus4")], cfg, sim="icarus", seed=3)[0]
-    _check_exact("icarus4", dict(case=case), r, cfg)
+    cfg = small_config(4, 4) if size == 4 else CFG8
+    case = random_case(1, 1, 3 * cfg.br // 2, 3 * cfg.bc // 2, 16, True, 23)
+    r = run_jobs([dict(case=case, name=f"icarus{size}")], cfg, sim="icarus", seed=3)[0]
+    _check_exact(f"icarus{size}", dict(case=case), r, cfg)
     assert r["counters"]["kv_tiles"] == 2 + 1       # q tile 0 sees kv tile 0, q tile 1 both
+    if size == 8 and runner.have_simulator("verilator"):
+        v = run_jobs([dict(case=case, name="verilator8")], cfg, seed=3)[0]
+        assert v["counters"] == r["counters"]
+
+
+#: jobs of ``_jobs`` rerun with random power-up values (the A5 fill job first:
+#: it leaves stale rows for the A5 job after it)
+X_JOBS = ("a1", "a4_17", "a6_72", "gqa", "decode_mask", "a5_fill_nan", "a5_nan", "after_faults")
+
+
+@pytest.mark.parametrize("x_seed", [1, 2])
+def test_npu_random_power_up(results8, x_seed):
+    """Every register and memory word (register files, tile buffers, SRAM,
+    FIFOs) powers up random from ``x_seed`` (``--x-initial unique``,
+    ``--x-assign unique``): outputs, error codes and every counter equal the
+    zero-initialised run's, so nothing depends on a value that reset or a
+    write does not set."""
+    jobs = [results8[name][0] for name in X_JOBS]
+    res = run_jobs(jobs, CFG8, seed=1, x_seed=x_seed)
+    for name, r in zip(X_JOBS, res):
+        _, kind, base = results8[name]
+        assert r["error"] == base["error"], f"{name}: {r['error_name']} vs {base['error_name']}"
+        if kind != "none":
+            assert _same_bits(r["o"], base["o"]), f"{name}: O differs with x_seed={x_seed}"
+        assert r["counters"] == base["counters"], f"{name}: counters differ with x_seed={x_seed}"
 
 
 def test_rtl_transport_one_job():
