@@ -116,6 +116,8 @@ class PeRow(wiring.Component):
     vis : In(C)                 visibility bit of each PE (SCALE ops)
     sa : In(log2 regs)          synchronous read address (one cycle ahead)
     sd : Out(ArrayLayout(32, C))  every PE's synchronous read data
+    pnz : Out(range(C + 1))     non-zero P written by the row's PEXP ops (registered
+                                again: 2 cycles after the op)
     ev_tree, ev_tree_tag, ev_rcp, ev_rcp_tag : Out
         the tree / the reciprocal delivers a result with this tag this cycle
         (it is in the return registers from the next cycle)
@@ -130,7 +132,7 @@ class PeRow(wiring.Component):
             "ctl": In(ctl_layout(config)), "q16": In(16),
             "col_b16": In(data.ArrayLayout(16, C)), "psel": In(range(C)), "cst": In(32),
             "vis": In(C), "sa": In(_bits(config.pe_registers)),
-            "sd": Out(data.ArrayLayout(32, C)),
+            "sd": Out(data.ArrayLayout(32, C)), "pnz": Out(range(C + 1)),
             "ev_tree": Out(1), "ev_tree_tag": Out(tagw), "ev_rcp": Out(1), "ev_rcp_tag": Out(tagw),
         })
 
@@ -192,9 +194,11 @@ class PeRow(wiring.Component):
                 m.submodules[f"pe{c}"] = Instance(
                     PE_MODULE, i_clk=ClockSignal(), i_rst=ResetSignal(),
                     i_ctl=pe.ctl.as_value(), i_a16=pe.a16, i_b16=pe.b16, i_cst=pe.cst,
-                    i_vis=pe.vis, i_ret=pe.ret, i_sa=pe.sa, o_sd=pe.sd, o_t=pe.t)
+                    i_vis=pe.vis, i_ret=pe.ret, i_sa=pe.sa, o_sd=pe.sd, o_t=pe.t, o_pnz=pe.pnz)
             else:
                 m.submodules[f"pe{c}"] = pe
+        # S-tile check: the row's count of non-zero P (one register stage)
+        m.d.sync += self.pnz.eq(sum(pe.pnz for pe in pes))
         return m
 
 
@@ -229,6 +233,9 @@ class PeArray(wiring.Component):
         i.e. give it one cycle after the ``sa`` it belongs to).
     rd_data : Out(ArrayLayout(32, C))
         ``sd`` of the PEs of row ``rd_row`` (combinational from flops).
+    pnz : Out(range(R * C + 1))
+        Non-zero P written by PEXP ops over the array, 3 cycles after the
+        op (PE, row and array register stages): the S-tile check's input.
     ev_tree, ev_tree_tag : Out(1), Out(tag)
         PE row 0's tree delivers a result with this tag this cycle (it is in
         the return registers from the next cycle; all rows run in lockstep).
@@ -250,7 +257,7 @@ class PeArray(wiring.Component):
             "vis": In(data.ArrayLayout(1, R * C)),
             "sa": In(_bits(config.pe_registers)),
             "rd_row": In(range(R)),
-            "rd_data": Out(data.ArrayLayout(32, C)),
+            "rd_data": Out(data.ArrayLayout(32, C)), "pnz": Out(range(R * C + 1)),
             "ev_tree": Out(1), "ev_tree_tag": Out(_bits(3 * config.rows_per_pe)),
             "ev_rcp": Out(1), "ev_rcp_tag": Out(_bits(3 * config.rows_per_pe)),
         })
@@ -276,12 +283,14 @@ class PeArray(wiring.Component):
                     ROW_MODULE, i_clk=ClockSignal(), i_rst=ResetSignal(),
                     i_ctl=row.ctl.as_value(), i_q16=row.q16, i_col_b16=row.col_b16.as_value(),
                     i_psel=row.psel, i_cst=row.cst, i_vis=row.vis, i_sa=row.sa,
-                    o_sd=row.sd.as_value(), o_ev_tree=row.ev_tree, o_ev_tree_tag=row.ev_tree_tag,
-                    o_ev_rcp=row.ev_rcp, o_ev_rcp_tag=row.ev_rcp_tag)
+                    o_sd=row.sd.as_value(), o_pnz=row.pnz, o_ev_tree=row.ev_tree,
+                    o_ev_tree_tag=row.ev_tree_tag, o_ev_rcp=row.ev_rcp, o_ev_rcp_tag=row.ev_rcp_tag)
             else:
                 m.submodules[f"row{r}"] = row
         m.d.comb += [self.ev_tree.eq(rows[0].ev_tree), self.ev_tree_tag.eq(rows[0].ev_tree_tag),
                      self.ev_rcp.eq(rows[0].ev_rcp), self.ev_rcp_tag.eq(rows[0].ev_rcp_tag)]
         sd_rows = Array([rows[r].sd.as_value() for r in range(R)])
         m.d.comb += self.rd_data.eq(sd_rows[self.rd_row])
+        # S-tile check: non-zero P over the array, 3 cycles after the PEXP op
+        m.d.sync += self.pnz.eq(sum(row.pnz for row in rows))
         return m

@@ -332,6 +332,9 @@ class Core(wiring.Component):
     reg_err_addr : Out(log2 regs); reg_err_phase : Out(Phase); reg_err_tile : Out(LEN_BITS)
         The first such read: register index (``register_name``), the phase
         and kv tile of the step that read it.
+    pnz : Out(range(R * C + 1))
+        Non-zero P entries the array's PEXP ops wrote, 3 cycles after the ops
+        (``PeArray.pnz``): summed per kv tile by the S-tile check.
     """
 
     def __init__(self, config: NPUConfig, pe_as_instance: bool = False):
@@ -355,12 +358,14 @@ class Core(wiring.Component):
             "ops_mac": Out(48), "ops_exp2": Out(48), "ops_recip": Out(48),
             "inject": In(len(Inject)), "reg_err": Out(1), "reg_err_addr": Out(ab),
             "reg_err_phase": Out(Phase), "reg_err_tile": Out(LEN_BITS),
+            "pnz": Out(range(R * C + 1)),
         })
 
     def elaborate(self, platform):
         m = Module()
         cfg = self.config
         m.submodules.array = arr = PeArray(cfg, self.pe_as_instance)
+        m.d.comb += self.pnz.eq(arr.pnz)
 
         # ------------------------------------------------------------ command
         cmd = Signal(cmd_layout(cfg))

@@ -17,7 +17,8 @@ Dataflow, and which file holds which box
                     │        DRAM timing (dram.py) ──bk──► DRAM storage (sim/dram_model.py)
                     ├── PerfCounters (counters.py): cycles, bytes per level, ops
                     ├── TSVControl (tsv_ctl.py): self-test, repair map, fault injection
-                    └── StallInjector (stall.py): test-only random SRAM backpressure
+                    ├── StallInjector (stall.py): test-only random SRAM backpressure
+                    └── STileMonitor (s_check.py): per-kv-tile counts of non-zero P
 
 Shared definitions (register map, SRAM map, error codes, DMA tags, the
 layouts of the streams between the blocks) are in ``npu_map.py`` and
@@ -130,6 +131,7 @@ from .npu_map import (
     tsv_map_regs,
 )
 from .owriter import OWriter
+from .s_check import STileMonitor
 from .stall import StallInjector
 from .tsv_ctl import TSVControl
 
@@ -191,6 +193,7 @@ class NPU(wiring.Component):
         m.submodules.counters = cnt = PerfCounters(cfg)
         m.submodules.tsv_ctl = tsv = TSVControl(cfg, self.regmap)
         m.submodules.stall = stall = StallInjector(3, self.regmap)   # DMA, loader, O writer SRAM ports
+        m.submodules.s_check = s_mon = STileMonitor(cfg, self.regmap)
 
         # streams between the blocks
         wiring.connect(m, controller=ctrl.cmd, core=core.cmd)
@@ -227,6 +230,10 @@ class NPU(wiring.Component):
             mem.pp_release.eq(loader.pp_release),
             stall.ctl.eq(csr.port("stall", "value")), stall.start.eq(ctrl.job_start), stall.run.eq(ctrl.running),
             mem.sram_stall.eq(stall.stall),
+            s_mon.pnz.eq(core.pnz), s_mon.phase.eq(core.phase), s_mon.tile.eq(core.tile),
+            s_mon.core_done.eq(core.done), s_mon.clear.eq(ctrl.job_start),
+            s_mon.en.eq(csr.port("s_check", "value").en), s_mon.pop.eq(csr.port("s_tile_pop", "pulse").pop),
+            csr.port("s_tile", "status").eq(s_mon.head), csr.port("s_count", "status").eq(s_mon.count),
             cnt.clear.eq(ctrl.job_start), cnt.running.eq(ctrl.running), cnt.core_done.eq(core.done),
             cnt.core_n_kv.eq(ctrl.core_n_kv),
         ]

@@ -128,6 +128,15 @@ def register_map(config: NPUConfig) -> RegisterMap:
                                         Field("phase", 4, 12, "core Phase of the reading step"),
                                         Field("tile", 16, 16, "kv tile of the reading step")],
                     doc="the first PE register read before it was written (error REG_UNWRITTEN)"))
+    rm.add(Register("s_check", "rw", [Field("en", 1, 0, "queue per-kv-tile counts of non-zero P")],
+                    doc="S-tile check: the host compares each count with the golden model's (hdl/s_check.py)"))
+    rm.add(Register("s_tile", "ro", [Field("valid", 1, 0, "an entry is queued"),
+                                     Field("overflow", 1, 1, "entries were dropped (the host fell behind)"),
+                                     Field("q_tile", 15, 2, "q tile of the job"),
+                                     Field("kv_tile", 15, 17, "kv tile of the q tile")],
+                    doc="head entry of the S-tile check queue"))
+    rm.add(Register("s_count", "ro", doc="non-zero P entries of the head entry's tile"))
+    rm.add(Register("s_tile_pop", "w1p", [Field("pop", 1, 0, "drop the head entry")]))
     rm.add(Register("stall", "rw", [Field("rate", 4, 0, "SRAM ports stall with probability rate/16 (0: off)"),
                                     Field("seed", 16, 16, "LFSR seed, loaded at job start")],
                     doc="test-only random backpressure on the SRAM ports (hdl/stall.py)"))

@@ -205,6 +205,9 @@ class Pe(wiring.Component):
     t : Out(32)
         The T temporary: leaf of the row-reduction tree, operand of the
         row's reciprocal unit.
+    pnz : Out(1)
+        1 the cycle after a PEXP op wrote a non-zero P (registered): the
+        array counts them for the S-tile check (``hdl/s_check.py``).
     """
 
     def __init__(self, config: NPUConfig):
@@ -214,7 +217,7 @@ class Pe(wiring.Component):
         super().__init__({
             "ctl": In(ctl_layout(config)),
             "a16": In(16), "b16": In(16), "cst": In(32), "vis": In(1), "ret": In(32),
-            "sa": In(ab), "sd": Out(32), "t": Out(32),
+            "sa": In(ab), "sd": Out(32), "t": Out(32), "pnz": Out(1),
         })
 
     def elaborate(self, platform):
@@ -256,6 +259,9 @@ class Pe(wiring.Component):
             cv.a.eq(ex.o),
         ]
         u_empty = U == NEG_INF32
+        p_new = Signal(16)                   # PEXP's P: 0 for a row without a visible key
+        m.d.comb += p_new.eq(Mux(u_empty, 0, cv.o))
+        m.d.sync += self.pnz.eq((ctl.op == PeOp.PEXP) & (p_new[0:15] != 0))
         with m.Switch(ctl.op):
             with m.Case(PeOp.MAC):
                 m.d.comb += [wdata.eq(mac.o),
@@ -277,11 +283,9 @@ class Pe(wiring.Component):
                 ]
                 m.d.sync += U.eq(mnew)
             with m.Case(PeOp.PEXP):
-                p = Signal(16)
                 m.d.comb += [
-                    p.eq(Mux(u_empty, 0, cv.o)),
-                    wdata.eq(p), we.eq(1),
-                    mac.acc.eq(Mux(ctl.first, 0, T)), mac.a.eq(p), mac.b.eq(ONE16),
+                    wdata.eq(p_new), we.eq(1),
+                    mac.acc.eq(Mux(ctl.first, 0, T)), mac.a.eq(p_new), mac.b.eq(ONE16),
                 ]
                 m.d.sync += T.eq(mac.o)
             with m.Case(PeOp.MSET):

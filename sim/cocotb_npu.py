@@ -30,6 +30,13 @@ from the job's seed and logged:
   probability ``sram_stall`` / 16 per cycle (``stall`` register,
   ``hdl/stall.py``): the job takes longer and must still be bit-exact.
 
+``s_check`` (``{"threshold": n}``, optionally ``"flip_mask": [head, row,
+key]`` to corrupt one mask bit in DRAM) runs the S-tile check: the NPU
+queues its count of non-zero P per kv tile (``hdl/s_check.py``), the host
+drains the queue while it polls and compares each count with the golden
+model's (``sim/tile_checks.py``); past the threshold it stops the job and
+names head, q tile and kv tile (result field ``s_check``).
+
 For every job the testbench acts as the host:
 
 1. reset, run both TSV self-tests through ``tsv_ctl`` and check the links;
@@ -66,6 +73,7 @@ from flashnpu.hdl.tsv import LinkStatus
 from flashnpu.sim.case import AttentionCase
 from flashnpu.sim.dram_model import DRAMModel
 from flashnpu.sim.rtl_backend import O_SENTINEL, plan_job
+from flashnpu.sim.tile_checks import expected_p_counts, mask_bit_address
 
 CFG = NPUConfig.from_json(os.environ["FLASHNPU_CONFIG"])
 RMAP = register_map(CFG)
@@ -155,6 +163,26 @@ async def read_tsv(host: Host, status: dict) -> dict:
     return out
 
 
+async def drain_s_tiles(host: Host, expected: dict, threshold: int, seen: list) -> dict | None:
+    """Pop every queued S-tile count; return the first tile whose count is
+    more than ``threshold`` from the golden one (or that the golden model does
+    not have), else None.  Raises AssertionError when the queue overflowed."""
+    while True:
+        head = RMAP["s_tile"].unpack(await host.read("s_tile"))
+        if head["overflow"]:
+            raise AssertionError("S-tile check: the queue overflowed (entries lost)")
+        if not head["valid"]:
+            return None
+        count = await host.read("s_count")
+        await host.write("s_tile_pop", 1)
+        seen.append((head["q_tile"], head["kv_tile"], count))
+        exp = expected.get((head["q_tile"], head["kv_tile"]))
+        if exp is None or abs(count - exp.count) > threshold:
+            return dict(head=exp.head if exp else None, q_tile=exp.q_tile if exp else None,
+                        job_q_tile=head["q_tile"], kv_tile=head["kv_tile"], count=count,
+                        expected=exp.count if exp else None)
+
+
 async def run_job(dut, spec, seed):
     with np.load(spec["inputs"], allow_pickle=False) as z:
         case = AttentionCase(q=z["q"], k=z["k"], v=z["v"], causal=bool(z["causal"]),
@@ -177,6 +205,14 @@ async def run_job(dut, spec, seed):
     tsv = await read_tsv(host, tsv_st) if faults else None
     for a, b in plan["writes"]:
         model.write(a, b)
+    s_spec = spec.get("s_check")
+    if s_spec:
+        expected = expected_p_counts(case, CFG)
+        if s_spec.get("flip_mask") is not None:         # fault: one mask bit corrupted in DRAM
+            addr, bit = mask_bit_address(plan["regs"], CFG, *s_spec["flip_mask"])
+            model.write(addr, bytes([model.read(addr, 1)[0] ^ (1 << bit)]))
+            dut._log.info(f"job {spec['name']}: mask bit {s_spec['flip_mask']} flipped in DRAM")
+        await host.write("s_check", 1)
     for name, val in plan["regs"].items():
         await host.write(name, val)
     if spec.get("watchdog") is not None:
@@ -188,12 +224,21 @@ async def run_job(dut, spec, seed):
     await host.write("ctrl", 1)
     timeout = int(spec.get("timeout") or 20_000_000)
     waited = 0
-    step = 256
+    step = 32 if s_spec else 256
     st = None
+    s_seen, s_bad = [], None
     while waited < timeout:
         await ClockCycles(dut.clk, step)
         waited += step
         st = RMAP["status"].unpack(await host.read("status"))
+        if s_spec:
+            s_bad = await drain_s_tiles(host, expected, int(s_spec.get("threshold", 0)), s_seen)
+            if s_bad:
+                dut._log.error(f"job {spec['name']}: S-tile check: head {s_bad['head']} q tile "
+                               f"{s_bad['q_tile']} kv tile {s_bad['kv_tile']}: {s_bad['count']} non-zero P, "
+                               f"golden {s_bad['expected']} (threshold {s_spec.get('threshold', 0)}); "
+                               "job stopped")
+                break
         if st["done"]:
             break
     else:
@@ -234,9 +279,13 @@ async def run_job(dut, spec, seed):
         kv_check = dict(buf=BufSel(kc["buf"]).name, tile=kc["tile"], q_tile=kc["q_tile"])
         dut._log.error(f"job {spec['name']}: kv tile {kc['tile']} of q tile {kc['q_tile']} sat in core "
                        f"buffer {kv_check['buf']} unconsumed for kv_stale_limit cycles")
+    s_check = None
+    if s_spec:
+        s_check = dict(stopped=s_bad is not None, tiles=len(s_seen), **(s_bad or {}))
     meta = dict(name=spec["name"], error=err, error_name=msg, dma_code=int(st["dma_code"]),
                 irq=irq, o_untouched=bool(untouched), counters=cnt, wall_s=round(wall, 3),
-                sram_bytes_sim=CFG.sram_bytes, tsv=tsv, reg_check=reg_check, kv_check=kv_check)
+                sram_bytes_sim=CFG.sram_bytes, tsv=tsv, reg_check=reg_check, kv_check=kv_check,
+                s_check=s_check)
     np.savez(spec["out"], o=out, meta_json=np.array(json.dumps(meta)))
 
 

@@ -182,7 +182,7 @@ def _job_spec(job: dict, tag: str, folder: Path, config: NPUConfig, seed: int) -
                 overrides=job.get("overrides", {}), debug=int(job.get("debug", 0)),
                 watchdog=job.get("watchdog"), timeout=job.get("timeout") or _timeout(job["case"], config),
                 name=job.get("name", f"job{tag}"), seed=int(seed), tsv_fault=job.get("tsv_fault") or {},
-                stress=job.get("stress") or {})
+                stress=job.get("stress") or {}, s_check=job.get("s_check"))
 
 
 def _build_info(h) -> dict:
@@ -216,13 +216,16 @@ def run_jobs(jobs, config: NPUConfig, sim: str = "verilator", waves=None, seed: 
     (``{"tsv_fault_rd"|"tsv_fault_wr": value}``, written before the TSV
     self-test), ``stress`` (``{"dram_delay", "host_idle", "sram_stall"}``:
     random DRAM response delay, host idle cycles, SRAM stall rate / 16; see
-    ``sim/cocotb_npu.py``).  Returns one
+    ``sim/cocotb_npu.py``), ``s_check`` (``{"threshold", "flip_mask"}``: the
+    S-tile check, see ``sim/cocotb_npu.py``).  Returns one
     dict per job: ``o`` (float32 [heads, seq_q, head_dim]), ``error``
     (NPUError int), ``dma_code``, ``o_untouched`` (bool: the O region still
     holds the sentinel), ``counters`` (dict), ``wall_s``, ``build`` info,
     ``tsv`` (links' status and repair maps, jobs with ``tsv_fault`` only) and
     ``reg_check`` (the offending register read, error REG_UNWRITTEN only)
-    and ``kv_check`` (the stale K/V tile, error KV_STALE only).
+    ``kv_check`` (the stale K/V tile, error KV_STALE only) and ``s_check``
+    (jobs with the S-tile check: ``stopped``, ``tiles`` compared and, when
+    it stopped, ``head``, ``q_tile``, ``kv_tile``, ``count``, ``expected``).
     ``quiet``: cocotb's output goes to ``cocotb.log`` in the work folder
     (its tail is shown when a run fails).  ``x_seed`` (Verilator): every
     register and memory word powers up random from this seed instead of 0

@@ -139,6 +139,15 @@ def _jobs(cfg):
         stress=dict(sram_stall=6, dram_delay=90, host_idle=4), overrides=dict(kv_stale_limit=STALE_LIMIT))
     add("stress_decode_mask", AttentionCase(dec.q, dec.k, dec.v, mask=dm), kind=("stress", "decode_mask"),
         stress=dict(dram_delay=90, host_idle=4))
+    # the S-tile check: every tile's count of non-zero P against the golden
+    # model's; a mask bit corrupted in DRAM stops the job at its tile
+    add("s_check_gqa", J[[n for n, _, _ in J].index("gqa")][1]["case"], s_check=dict(threshold=0))
+    add("s_check_decode", AttentionCase(dec.q, dec.k, dec.v, mask=dm), s_check=dict(threshold=0))
+    sc = random_case(2, 1, 20, 40, 32, False, 14)
+    smask = np.random.default_rng(15).random((2, 20, 40)) < 0.8
+    smask[1, 18, 35] = True
+    add("s_check_fault", AttentionCase(sc.q, sc.k, sc.v, mask=smask), kind="s_fault",
+        s_check=dict(threshold=0, flip_mask=[1, 18, 35]))
     # still fine after the faults
     add("after_faults", random_case(2, 2, 9, 30, 48, True, 12))
     return J
@@ -231,6 +240,26 @@ def test_npu_kv_stale_names_the_tile(results8):
     _, _, r = results8["inj_kv_stale"]
     assert r["kv_check"] == dict(buf="K0", tile=0, q_tile=1)
     assert r["irq"] == 0b11
+
+
+@pytest.mark.parametrize("name", ["s_check_gqa", "s_check_decode"])
+def test_npu_s_tile_check_passes(results8, name):
+    """Every kv tile the NPU computes is compared (as many as its kv_tiles
+    counter) and its count of non-zero P equals the golden model's."""
+    job, _, r = results8[name]
+    _check_exact(name, job, r, CFG8)
+    assert r["s_check"]["stopped"] is False
+    assert r["s_check"]["tiles"] == r["counters"]["kv_tiles"] > 0
+
+
+def test_npu_s_tile_check_catches_a_corrupted_mask(results8):
+    """Mask bit (head 1, row 18, key 35) flipped in DRAM, visible -> masked:
+    the check stops the job at that tile (q tile 1 of head 1 = the job's 4th,
+    kv tile 2) with one non-zero P fewer than the golden model."""
+    _, _, r = results8["s_check_fault"]
+    sc = r["s_check"]
+    assert sc["stopped"] and (sc["head"], sc["q_tile"], sc["job_q_tile"], sc["kv_tile"]) == (1, 1, 3, 2)
+    assert sc["count"] == sc["expected"] - 1
 
 
 #: counters that only timing changes (the rest count work and must not move)
