@@ -166,8 +166,9 @@ def input_file(path, option: str = "", kind: str | None = None) -> Path:
     if kind is not None:
         magics, name = SIGNATURES[kind]
         if not any(head.startswith(m) for m in magics):
-            found = "a .npy array" if head.startswith(b"\x93NUMPY") else (
-                "an empty file" if not head else "something else")
+            found = [n for ms, n in SIGNATURES.values() if any(head.startswith(m) for m in ms)]
+            found = found[0] if found else "a .npy array" if head.startswith(b"\x93NUMPY") else (
+                "an empty file" if not head else f"bytes {head[:4]!r}")
             raise UsageError(f"{what} is not {name}: it holds {found}")
     return p
 
