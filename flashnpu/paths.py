@@ -95,6 +95,11 @@ def output_file(path, option: str = "", suffixes=(), inputs=(), outputs=(), make
         raise UsageError(f"{what} is a folder: name a file inside it")
     if p.exists() and not p.is_file():
         raise UsageError(f"{what} exists and is not a regular file")
+    for kind, pairs in (("input", inputs), ("output", outputs)):
+        for opt, other in pairs:
+            if other is not None and str(other) != "" and _same(p, Path(other)):
+                raise UsageError(f"{what} is also the {kind} {_label(opt, other)}: "
+                                 + ("it would be overwritten" if kind == "input" else "name two files"))
     if suffixes and p.suffix.lower() not in suffixes:
         raise UsageError(f"{what} must end in {' or '.join(suffixes)}")
     parent = p.parent
@@ -109,11 +114,6 @@ def output_file(path, option: str = "", suffixes=(), inputs=(), outputs=(), make
         parent = anc
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"{what}: folder {str(parent)!r} is not writable")
-    for kind, pairs in (("input", inputs), ("output", outputs)):
-        for opt, other in pairs:
-            if other is not None and str(other) != "" and _same(p, Path(other)):
-                raise UsageError(f"{what} is also the {kind} {_label(opt, other)}: "
-                                 + ("it would be overwritten" if kind == "input" else "name two files"))
     return p
 
 
