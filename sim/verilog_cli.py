@@ -167,10 +167,14 @@ def output_paths(output, top: str, config: NPUConfig) -> Path:
 def main(args) -> int:
     # deferred: the generator imports amaranth and every HDL block, which
     # `flashnpu --help` does not need
-    from flashnpu.sim.verilog import generate, write
+    from flashnpu.sim.verilog import generate, resolve_top, write
 
     config = config_from_args(args)
     top = args.top or DEFAULT_TOP
+    try:
+        resolve_top(top)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     out = output_paths(args.output, top, config)
     try:
         gen = generate(config, top, args.name)
