@@ -64,6 +64,7 @@ test-all: $(STAMP)
 	$(BIN)/python -m pytest -n $(JOBS) tb
 
 verilog: $(STAMP)
+	mkdir -p build/verilog
 	$(BIN)/flashnpu verilog --rows $(ROWS) --cols $(COLS) -o build/verilog/flashnpu_$(ROWS)x$(COLS).v $(if $(filter 1 yes true,$(LINT)),--lint,)
 
 fpga: $(STAMP)

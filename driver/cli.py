@@ -19,8 +19,10 @@ import sys
 
 import numpy as np
 
+from flashnpu.argtypes import positive_int
 from flashnpu.config import DEFAULT, NPUConfig
 from flashnpu.errors import UsageError
+from flashnpu.paths import atomic_write, input_file, output_file
 from flashnpu.sim.cli import array_config
 
 from .model import apply_chat_template, load_model
@@ -35,18 +37,19 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("decode", help="LLM decode through the NPU (SmolLM2-135M-Instruct)",
                               description=__doc__.splitlines()[0])
     p.add_argument("--prompt", required=True, help="prompt text")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="stop after this many tokens (default 32)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=32, help="stop after this many tokens (default 32)")
     p.add_argument("--backend", default="golden", choices=backend_names(),
                    help="where attention runs: golden = bit-exact model, rtl = simulated Verilog")
-    p.add_argument("--rows", type=int, default=DEFAULT.array_rows,
+    p.add_argument("--rows", type=positive_int, default=DEFAULT.array_rows,
                    help=f"NPU PE array rows (default {DEFAULT.array_rows}); e.g. 8 for a fast rtl run")
-    p.add_argument("--cols", type=int, default=DEFAULT.array_cols,
+    p.add_argument("--cols", type=positive_int, default=DEFAULT.array_cols,
                    help=f"NPU PE array columns (default {DEFAULT.array_cols})")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--max-prompt-len", type=int, default=64, help="longest prompt in tokens (default 64)")
-    p.add_argument("--min-response-len", type=int, default=16,
+    p.add_argument("--max-prompt-len", type=positive_int, default=64, help="longest prompt in tokens (default 64)")
+    p.add_argument("--min-response-len", type=positive_int, default=16,
                    help="KV slots reserved for the response (default 16); capacity = max-prompt-len + this")
-    p.add_argument("--prefill-chunk-size", type=int, default=64, help="prompt tokens per prefill job (default 64)")
+    p.add_argument("--prefill-chunk-size", type=positive_int, default=64,
+                   help="prompt tokens per prefill job (default 64)")
     p.add_argument("--job-grouping", choices=("layer", "head"), default="layer",
                    help="layer: all query heads of a layer in one NPU job (default); head: one job per head")
     p.add_argument("--model", default=None, metavar="FILE.gguf",
@@ -109,14 +112,21 @@ def run_decode(args, out=None) -> dict:
     Raises
     ------
     flashnpu.errors.UsageError
-        bad sizes (also an array too small for the model's head_dim), a
-        prompt that does not fit, an unavailable backend.
+        bad sizes (also an array too small for the model's head_dim, a KV
+        cache beyond the model's context or the memory), a prompt that does
+        not fit, an unavailable backend, a ``--model`` that is not a GGUF
+        file, a ``--logits-out`` that cannot be written (checked first).
     RuntimeError
         the rtl backend's simulator session died or the NPU stopped a job
         (the message names the simulator's log file).
     """
     out = sys.stdout if out is None else out
 
+    if args.model is not None:
+        input_file(args.model, "--model", kind="gguf")
+    if args.logits_out is not None:
+        output_file(args.logits_out, "--logits-out", suffixes=(".npz",),
+                    inputs=[("--model", args.model)] if args.model else [])
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, not {args.max_new_tokens}")
     if not args.prompt:
@@ -131,7 +141,7 @@ def run_decode(args, out=None) -> dict:
     try:
         try:
             model = load_model(args.model)
-        except FileNotFoundError as e:
+        except (FileNotFoundError, ValueError) as e:
             raise UsageError(str(e)) from None
         text = apply_chat_template(model, args.prompt) if args.chat else args.prompt
         prompt_ids = model.encode(text)
@@ -168,8 +178,9 @@ def run_decode(args, out=None) -> dict:
     if stream:
         out.write(text_out[len(emitted[0]):] + "\n\n" + format_stats(stats, res.stop_reason.value) + "\n")
     if args.logits_out:
-        np.savez(args.logits_out, logits=res.logits.astype(np.float32),
-                 token_ids=np.asarray(res.tokens, np.int64), prompt_ids=np.asarray(res.prompt_ids, np.int64))
+        with atomic_write(args.logits_out, "wb") as f:
+            np.savez(f, logits=res.logits.astype(np.float32),
+                     token_ids=np.asarray(res.tokens, np.int64), prompt_ids=np.asarray(res.prompt_ids, np.int64))
     summary = dict(prompt=args.prompt, chat=bool(args.chat), text=text_out, token_ids=res.tokens,
                    prompt_ids=res.prompt_ids, stop_reason=res.stop_reason.value,
                    stats={k: (v if not isinstance(v, dict) else {str(a): b for a, b in v.items()})

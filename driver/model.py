@@ -432,16 +432,27 @@ def load_model(path: str | os.PathLike | None = None) -> LlamaModel:
     Raises
     ------
     FileNotFoundError
-        no GGUF file (see ``find_gguf``).
+        no GGUF file (see ``find_gguf``), or ``path`` does not exist.
     ValueError
-        an architecture other than ``llama``, or a missing tensor.
+        a file that is not GGUF or cannot be parsed, an architecture other
+        than ``llama``, or a missing tensor.
     """
     # deferred: loading a model needs it, `flashnpu --help` does not
     from gguf import GGUFReader
 
     t0 = time.perf_counter()
     path = Path(path) if path is not None else find_gguf()
-    reader = GGUFReader(str(path))
+    if not path.is_file():
+        raise FileNotFoundError(f"model file {str(path)!r} does not exist" if not path.exists()
+                                else f"model file {str(path)!r} is not a regular file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"model file {str(path)!r} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - gguf raises bare errors on damaged files
+        raise ValueError(f"cannot read model file {str(path)!r} as GGUF: {type(e).__name__}: {e}") from None
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"{path.name}: architecture {arch!r} is not supported (only 'llama')")

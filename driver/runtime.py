@@ -52,8 +52,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from flashnpu.resources import check_memory
+
 from .model import LlamaModel
-from .transport import AttentionJob, Transport
+from .transport import FP16_BYTES, AttentionJob, Transport
 
 __all__ = [
     "CacheConfig", "KVCache", "CacheFullError", "StopReason", "ForwardRecord", "GenerationResult",
@@ -68,6 +70,13 @@ JOB_GROUPINGS = ("layer", "head")
 def _pos_int(name, v):
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
         raise ValueError(f"{name} must be a positive int, not {v!r}")
+    return int(v)
+
+
+def _int_in(name, v, lo, hi):
+    """``v`` as an int in lo..hi, else ValueError naming it."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not lo <= v <= hi:
+        raise ValueError(f"{name} must be an int in {lo}..{hi}, not {v!r}")
     return int(v)
 
 
@@ -144,7 +153,11 @@ class KVCache:
 
     def __init__(self, n_layers: int, kv_heads: int, capacity: int, head_dim: int):
         self.capacity = _pos_int("capacity", capacity)
-        shape = (n_layers, kv_heads, capacity, head_dim)
+        self.n_layers = _pos_int("n_layers", n_layers)
+        shape = (n_layers, _pos_int("kv_heads", kv_heads), capacity, _pos_int("head_dim", head_dim))
+        check_memory(2 * FP16_BYTES * n_layers * kv_heads * capacity * head_dim + 9 * n_layers * capacity,
+                     f"a KV cache of capacity {capacity} ({n_layers} layers x {kv_heads} kv heads x "
+                     f"head_dim {head_dim})")
         self.k = np.zeros(shape, np.float16)
         self.v = np.zeros(shape, np.float16)
         self.valid = np.zeros(capacity, bool)
@@ -169,9 +182,20 @@ class KVCache:
         ------
         CacheFullError
             if start + n > capacity (nothing is written).
+        ValueError
+            a layer outside 0..n_layers-1, a negative start, or k, v of
+            another shape than [kv_heads, n, head_dim] (nothing is written).
         """
+        layer = _int_in("layer", layer, 0, self.n_layers - 1)
+        if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or start < 0:
+            raise ValueError(f"start slot must be an int >= 0, not {start!r}")
+        want = (self.k.shape[1], None, self.k.shape[3])
+        for name, a in (("k", k), ("v", v)):
+            if np.ndim(a) != 3 or a.shape[0] != want[0] or a.shape[2] != want[2] or a.shape != k.shape:
+                raise ValueError(f"{name} must be [kv_heads={want[0]}, n, head_dim={want[2]}] like k, "
+                                 f"not shape {np.shape(a)}")
         n = k.shape[1]
-        if start < 0 or start + n > self.capacity:
+        if start + n > self.capacity:
             raise CacheFullError(f"writing slots {start}..{start + n - 1} would pass the KV capacity {self.capacity}")
         self.k[layer, :, start:start + n] = k
         self.v[layer, :, start:start + n] = v
@@ -179,7 +203,18 @@ class KVCache:
         self.write_bytes += k.nbytes + v.nbytes
 
     def commit(self, start: int, n: int) -> None:
-        """Mark slots start..start+n-1 valid (after every layer wrote them)."""
+        """Mark slots start..start+n-1 valid (after every layer wrote them).
+
+        Raises
+        ------
+        ValueError
+            a start or count that is not an int >= 0, or a slot at or past
+            ``capacity`` (nothing is marked).
+        """
+        start = _int_in("start slot", start, 0, self.capacity)
+        n = _int_in("slot count", n, 0, self.capacity)
+        if start + n > self.capacity:
+            raise CacheFullError(f"slots {start}..{start + n - 1} pass the KV capacity {self.capacity}")
         self.valid[start:start + n] = True
 
 
@@ -256,7 +291,9 @@ class Decoder:
     Raises
     ------
     ValueError
-        unknown ``job_grouping``, or a head_dim the NPU cannot take.
+        unknown ``job_grouping``, a head_dim the NPU cannot take, a KV
+        capacity above the model's context length, or a KV cache larger than
+        the memory limit (``flashnpu.resources``), before it is allocated.
     TypeError
         wrong model / transport / cache types.
     """
@@ -273,6 +310,10 @@ class Decoder:
         if job_grouping not in JOB_GROUPINGS:
             raise ValueError(f"job_grouping must be one of {JOB_GROUPINGS}, not {job_grouping!r}")
         transport.config.check_head_dim(model.hparams.head_dim)
+        if cache.capacity > model.hparams.context_length:
+            raise ValueError(f"KV capacity {cache.capacity} (max_prompt_len {cache.max_prompt_len} + "
+                             f"min_response_len {cache.min_response_len}) is above the model's context length "
+                             f"{model.hparams.context_length}")
         self.model = model
         self.transport = transport
         self.config = cache

@@ -44,8 +44,9 @@ import numpy as np
 
 from flashnpu.config import DEFAULT, NPUConfig
 from flashnpu.golden import flash_attention_hw
+from flashnpu.golden import numerics as nx
 from flashnpu.sim import runner
-from flashnpu.sim.case import AttentionCase
+from flashnpu.sim.case import AttentionCase, first_nonfinite
 
 __all__ = [
     "AttentionJob", "JobResult", "TransportCounters", "Transport", "GoldenTransport",
@@ -92,6 +93,10 @@ class AttentionJob:
     kv_valid_len: int
 
     def __post_init__(self):
+        """Raises ValueError naming the value: wrong dtypes or shapes, a
+        negative layer or q_offset, kv_valid_len outside 0..window, a scale
+        outside ``numerics.scale_range(head_dim)``, NaN or Inf in q, k or v
+        at a position the mask makes visible."""
         for name in ("q", "k", "v"):
             a = getattr(self, name)
             if a.dtype != np.float16 or a.ndim != 3:
@@ -104,6 +109,20 @@ class AttentionJob:
             raise ValueError(f"job heads={heads} is not a multiple of kv_heads={kv_heads}")
         if self.mask.dtype != np.bool_ or self.mask.shape != (seq_q, window):
             raise ValueError(f"job.mask must be bool [{seq_q}, {window}], not {self.mask.dtype} {self.mask.shape}")
+        for name, lo, hi in (("layer", 0, None), ("q_offset", 0, None), ("kv_valid_len", 0, window)):
+            val = getattr(self, name)
+            if (isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < lo
+                    or (hi is not None and val > hi)):
+                raise ValueError(f"job.{name} must be an int >= {lo}" + (f" and <= the window {hi}" if hi is not None
+                                                                          else "") + f", not {val!r}")
+        try:
+            nx.scale_log2e(self.scale, d)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"job.scale: {e}") from None
+        bad = first_nonfinite((("job.q", self.q, self.mask.any(1)), ("job.k", self.k, self.mask.any(0)),
+                               ("job.v", self.v, self.mask.any(0))))
+        if bad:
+            raise ValueError(bad)
 
     @property
     def heads(self) -> int:

@@ -26,8 +26,24 @@ COMMANDS = {
 }
 
 
+class _ArgumentError(Exception):
+    """A value argparse rejected: reported like a ``UsageError``."""
+
+    def __init__(self, prog: str, message: str):
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a rejected value is one line (no usage block) and
+    ``main`` returns 2 instead of exiting."""
+
+    def error(self, message):
+        raise _ArgumentError(self.prog, message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="flashnpu",
         description="flashnpu: RTL model of a register-level, 3D-stacked NPU running FlashAttention.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -38,7 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except _ArgumentError as e:
+        print(f"{e.prog}: error: {e}", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args) or 0)
     except UsageError as e:

@@ -118,13 +118,13 @@ def flash_attention_hw(q, k, v, causal=False, mask=None, kv_valid_len=None, scal
     ------
     ValueError
         for inputs that are not float16, bad shapes, head_dim outside
-        1..max_head_dim, or a bad scale.
+        1..max_head_dim, or a scale outside ``numerics.scale_range(head_dim)``.
     """
     for name, a in (("q", q), ("k", k), ("v", v)):
         if np.asarray(a).dtype != np.float16:
             raise ValueError(f"{name} must be float16, not {np.asarray(a).dtype}")
     heads, kv_heads, seq_q, seq_kv, d = check_shapes(q, k, v, mask, kv_valid_len, config.max_head_dim)
-    c = nx.scale_log2e(1.0 / math.sqrt(d) if scale is None else scale)
+    c = nx.scale_log2e(1.0 / math.sqrt(d) if scale is None else scale, d)
     vis = visible_mask(heads, seq_q, seq_kv, causal, mask, kv_valid_len)
     bc, cols = config.bc, config.array_cols
     n_kv = -(-seq_kv // bc)

@@ -32,7 +32,11 @@ recip32                correctly rounded 1/x (RNE; the RTL uses a radix-2
 to_fp16                binary32 -> binary16, RNE, subnormals kept
 scale                  ``c = fp32(scale * log2(e))`` (float64 product, one
                        rounding); scores are kept in the log2 domain:
-                       S' = mul32(S, c), P = exp2(S' - m)
+                       S' = mul32(S, c), P = exp2(S' - m).  Legal scales
+                       (``scale_range``): c a binary32 normal, and c times
+                       the largest reachable |S| (``max_score_raw``: about
+                       head_dim * 65504^2) finite -- 8.15e-39 .. 4.29e26
+                       at head_dim 128
 row sum / row max      each PE folds its own Bc/C columns left to right, then
                        a pairwise tree over the C PEs of the row:
                        level k adds neighbours 2i, 2i+1 (``tree_reduce``)
@@ -48,13 +52,15 @@ stated) and never changes its inputs.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 
 __all__ = [
     "F32_MIN_NORMAL", "daz", "ftz", "add32", "sub32", "mul32", "mac", "max32",
-    "exp2", "exp2_bits", "recip32", "to_fp16", "scale_log2e", "tree_reduce",
+    "exp2", "exp2_bits", "recip32", "to_fp16", "scale_log2e", "scale_range", "max_score_raw",
+    "max_score_constant", "FP16_MAX", "tree_reduce",
     "EXP2_TABLE", "EXP2_FRAC_BITS", "EXP2_INDEX_BITS", "bits32", "from_bits32",
     "NAN32_BITS", "ONE32_BITS",
 ]
@@ -200,16 +206,115 @@ def to_fp16(x) -> np.ndarray:
         return np.asarray(x, np.float32).astype(np.float16)
 
 
-def scale_log2e(scale: float) -> np.float32:
-    """The score constant c = fp32(scale * log2(e)); raises ValueError unless
-    scale is finite and c a positive binary32 normal."""
+_INV_LN2 = 1.0 / math.log(2.0)
+FP16_MAX = 65504.0
+
+
+def _constant(scale: float) -> np.float32:
+    with np.errstate(over="ignore"):
+        return np.float32(scale * _INV_LN2)
+
+
+@functools.lru_cache(maxsize=None)
+def max_score_raw(head_dim: int) -> float:
+    """The largest |S_raw| the MAC chain can reach at ``head_dim``.
+
+    Every product of two finite FP16 values is exact and at most
+    65504^2; ``add32`` is monotone in each operand, so no partial sum can
+    exceed the chain that adds ``head_dim`` copies of 65504^2 (which
+    q = k = 65504 reaches).  At head_dim 128 it is 549218975744 (5.49e11,
+    a little below 128 * 65504^2 because the chain rounds down).
+    """
+    if isinstance(head_dim, bool) or int(head_dim) != head_dim or head_dim < 1:
+        raise ValueError(f"head_dim must be a positive int, not {head_dim!r}")
+    p = np.float32(FP16_MAX) * np.float32(FP16_MAX)
+    acc = np.float32(0)
+    for _ in range(int(head_dim)):
+        acc = add32(acc, p)
+    return float(acc)
+
+
+@functools.lru_cache(maxsize=None)
+def max_score_constant(head_dim: int) -> np.float32:
+    """The largest binary32 c for which ``mul32(S_raw, c)`` is finite for every
+    reachable S_raw at ``head_dim`` (see ``max_score_raw``).  At head_dim 128
+    it is 6.196e26."""
+    b = np.float32(max_score_raw(head_dim))
+    c = np.float32(np.finfo(np.float32).max / float(b))
+    while np.isfinite(mul32(b, np.nextafter(c, np.float32(np.inf)))):
+        c = np.nextafter(c, np.float32(np.inf))
+    while not np.isfinite(mul32(b, c)):
+        c = np.nextafter(c, np.float32(0))
+    return np.float32(c)
+
+
+def _legal(scale: float, head_dim: int | None) -> bool:
+    c = _constant(scale)
+    return bool(np.isfinite(c) and c >= F32_MIN_NORMAL
+                and (head_dim is None or c <= max_score_constant(head_dim)))
+
+
+def _bisect(good: float, bad: float, head_dim) -> float:
+    """The legal float64 next to the boundary between ``good`` and ``bad``."""
+    g = int(np.float64(good).view(np.int64))
+    b = int(np.float64(bad).view(np.int64))
+    while abs(b - g) > 1:
+        m = (g + b) // 2
+        if _legal(float(np.int64(m).view(np.float64)), head_dim):
+            g = m
+        else:
+            b = m
+    return float(np.int64(g).view(np.float64))
+
+
+@functools.lru_cache(maxsize=None)
+def scale_range(head_dim: int | None = None) -> tuple[float, float]:
+    """The smallest and the largest float64 scale that ``scale_log2e`` accepts.
+
+    The lower end makes c = fp32(scale * log2 e) the smallest binary32
+    normal, 2^-126 (scale ~ 8.15e-39; below it c would be subnormal, which
+    the hardware reads as zero).  The upper end keeps every score finite:
+    c <= ``max_score_constant(head_dim)`` (scale ~ 4.29e26 at head_dim 128);
+    without ``head_dim`` only c itself must be finite (scale ~ 2.36e38).
+    Inside the range no step of the tile loop sees Inf or NaN: S is finite,
+    S - m and m_old - m_new are <= 0 (an overflow there gives -Inf, and
+    exp2(-Inf) = 0 is the right value), and P, l_i and O_acc are bounded as
+    for any scale.
+    """
+    tiny = float(F32_MIN_NORMAL) / _INV_LN2
+    lo = _bisect(tiny * 2, tiny / 2, head_dim)
+    cmax = np.finfo(np.float32).max if head_dim is None else max_score_constant(head_dim)
+    guess = float(cmax) / _INV_LN2
+    hi = _bisect(guess / 2, guess * 2, head_dim)
+    return lo, hi
+
+
+def scale_log2e(scale: float, head_dim: int | None = None) -> np.float32:
+    """The score constant c = fp32(scale * log2(e)).
+
+    Raises
+    ------
+    ValueError
+        naming the scale, unless it is finite and positive, c is a binary32
+        normal and -- with ``head_dim`` -- ``mul32(S_raw, c)`` is finite for
+        every S_raw the MAC chain can reach (the legal range is
+        ``scale_range(head_dim)``).
+    """
     s = float(scale)
     if not math.isfinite(s) or s <= 0:
         raise ValueError(f"scale must be a positive finite number, not {scale!r}")
-    c = np.float32(s * (1.0 / math.log(2.0)))
-    if not (np.isfinite(c) and c >= F32_MIN_NORMAL):
-        raise ValueError(f"scale={scale!r} gives a score constant outside the binary32 normal range")
-    return c
+    if not _legal(s, head_dim):
+        lo, hi = scale_range(head_dim)
+        if s < lo:
+            raise ValueError(f"scale={s!r} is below {lo!r}: its score constant "
+                             f"fp32(scale * log2 e) is not a binary32 normal")
+        if head_dim is None:
+            raise ValueError(f"scale={s!r} is above {hi!r}: its score constant "
+                             f"fp32(scale * log2 e) overflows binary32")
+        raise ValueError(f"scale={s!r} is above {hi!r}, the largest at head_dim={head_dim} "
+                         f"whose scores stay finite in binary32 (|Q K^T| reaches "
+                         f"{max_score_raw(head_dim):.6g})")
+    return _constant(s)
 
 
 def tree_reduce(x, cols: int, op) -> np.ndarray:

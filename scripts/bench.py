@@ -34,7 +34,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from flashnpu.config import DEFAULT, NPUConfig, small_config
-from flashnpu.errors import UsageError
+from flashnpu.paths import atomic_write, output_dir, write_text
 
 from .energy import SOURCES, TERMS, EnergyTable, energy_of
 from .perf_model import (
@@ -82,7 +82,7 @@ def _arrays(text: str) -> list:
     out = []
     for part in text.split(","):
         r, sep, c = part.strip().partition("x")
-        if not sep or not r.isdigit() or not c.isdigit():
+        if not sep or not r.isdigit() or not c.isdigit() or int(r) < 1 or int(c) < 1:
             raise argparse.ArgumentTypeError(f"arrays must look like 8x8,32x32, not {text!r}")
         out.append((int(r), int(c)))
     return out
@@ -310,7 +310,7 @@ def validate_rtl(out: Path, sim: str, progress=None, core: bool = True, jobs=Non
                 all_exact=all(r["worst_rel_err"] == 0 for r in rows),
                 exact_per_counter=" | ".join(exact),
                 rows=rows)
-    (out / "rtl_validation.json").write_text(json.dumps(data, indent=1))
+    write_text(out / "rtl_validation.json", json.dumps(data, indent=1))
     return data
 
 
@@ -381,6 +381,12 @@ def _json_section(path: Path, producer: str) -> str:
     return "\n".join(out)
 
 
+def _savefig(fig, path: Path) -> None:
+    """One PNG, written whole (``flashnpu.paths.atomic_write``)."""
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
+
+
 def write_plots(out: Path, res: dict) -> list[str]:
     # deferred: matplotlib only for the plots (keeps `flashnpu --help` fast)
     import matplotlib
@@ -411,7 +417,7 @@ def write_plots(out: Path, res: dict) -> list[str]:
     ax[2].set(xlabel="seq_len", ylabel="cycles", title="cycles per attention")
     ax[2].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "energy_vs_seq.png", dpi=110)
+    _savefig(fig, out / "energy_vs_seq.png")
     plt.close(fig)
     files.append("energy_vs_seq.png")
 
@@ -429,7 +435,7 @@ def write_plots(out: Path, res: dict) -> list[str]:
     ax.set(ylabel="energy (µJ)", title=f"energy by term, seq_len {last['seq']}, d = 128, 1 head")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(out / "energy_breakdown.png", dpi=110)
+    _savefig(fig, out / "energy_breakdown.png")
     plt.close(fig)
     files.append("energy_breakdown.png")
 
@@ -451,7 +457,7 @@ def write_plots(out: Path, res: dict) -> list[str]:
            title="roofline (register-level design)")
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    fig.savefig(out / "roofline.png", dpi=110)
+    _savefig(fig, out / "roofline.png")
     plt.close(fig)
     files.append("roofline.png")
 
@@ -477,7 +483,7 @@ def write_plots(out: Path, res: dict) -> list[str]:
     ax[1].legend(loc="upper left", fontsize=7)
     a3.legend(loc="lower right", fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "scaling.png", dpi=110)
+    _savefig(fig, out / "scaling.png")
     plt.close(fig)
     files.append("scaling.png")
 
@@ -492,7 +498,7 @@ def write_plots(out: Path, res: dict) -> list[str]:
            title=f"TSV-energy sensitivity (seq_len {res['tsv_seq']})")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "tsv_sensitivity.png", dpi=110)
+    _savefig(fig, out / "tsv_sensitivity.png")
     plt.close(fig)
     files.append("tsv_sensitivity.png")
     return files
@@ -714,9 +720,7 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
     L.append(_json_section(out / "decode.json", "the decode benchmark (golden and rtl backends)") + "\n")
     L.append("## Files\n")
     L.append(", ".join(f"[{f}]({f})" for f in files) + ", [bench.json](bench.json) (every number above).\n")
-    path = out / "report.md"
-    path.write_text("\n".join(L))
-    return path
+    return write_text(out / "report.md", "\n".join(L))
 
 
 def run(out: Path, quick: bool = False, show_progress: bool = True) -> dict:
@@ -737,15 +741,13 @@ def run(out: Path, quick: bool = False, show_progress: bool = True) -> dict:
         res["reg"] = sweep_reg(tsv_seq, progress=bar)
         res["roofline"] = roofline_points(progress=bar)
     files = write_plots(out, res)
-    (out / "bench.json").write_text(json.dumps(res, indent=1, default=float))
+    write_text(out / "bench.json", json.dumps(res, indent=1, default=float))
     write_report(out, res, files)
     return res
 
 
 def main(args) -> int:
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {args.out!r} exists and is not a folder")
+    out = output_dir(args.out, "--out")
     out.mkdir(parents=True, exist_ok=True)
     if args.validate_rtl:
         try:

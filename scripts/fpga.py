@@ -50,8 +50,10 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import flashnpu
+from flashnpu.argtypes import nonneg_int, positive_float
 from flashnpu.config import NPUConfig
 from flashnpu.errors import UsageError
+from flashnpu.paths import input_file, output_dir, output_file, write_text
 from flashnpu.sim.runner import instance_counts, module_children
 from flashnpu.sim.verilog_cli import DEFAULT_TOP, TOPS, add_config_arguments, make_config
 
@@ -706,9 +708,10 @@ def register(subparsers) -> None:
     p.add_argument("--generic", default="32x32", metavar="RxC",
                    help="size of the scaled generic Yosys statistics (default 32x32; 'none' to skip)")
     p.add_argument("--no-fpga", action="store_true", help="only the generic statistics")
-    p.add_argument("--freq", type=float, default=50.0, metavar="MHZ", help="nextpnr target frequency (default 50)")
-    p.add_argument("--seed", type=int, default=1, help="nextpnr seed (default 1)")
-    p.add_argument("--timeout", type=float, default=None, metavar="S", help="per tool run (default none)")
+    p.add_argument("--freq", type=positive_float, default=50.0, metavar="MHZ",
+                   help="nextpnr target frequency (default 50)")
+    p.add_argument("--seed", type=nonneg_int, default=1, help="nextpnr seed (default 1)")
+    p.add_argument("--timeout", type=positive_float, default=None, metavar="S", help="per tool run (default none)")
     p.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
                    help="run no tool: merge the records of earlier runs (their fpga.json: FPGA runs "
                         "from one, generic statistics from another) into one report")
@@ -729,8 +732,14 @@ def main(args) -> int:
     # `flashnpu --help` does not need
     from flashnpu.sim.verilog import resolve_top
 
+    output_dir(args.out, "--out")
     if args.merge:
+        for p in args.merge:
+            input_file(p, "--merge")
+            for name in ("fpga.md", "fpga.json"):
+                output_file(args.out / name, "--out", inputs=[("--merge", p)])
         return _merge(args.merge, args.out)
+    output_dir(args.build, "--build")
     top = args.top or DEFAULT_TOP
     board = BOARDS[args.board]()
     changes = {f: getattr(args, f) for f in vars(args) if f in NPUConfig.__dataclass_fields__
@@ -754,6 +763,7 @@ def main(args) -> int:
     gen_size = None if args.generic.lower() == "none" else _parse_size(args.generic)
     if gen_size:
         make(*gen_size)
+    max_size = _parse_size(args.max_size)
     argv = " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("flashnpu") else ""
     record = dict(command=f"flashnpu {argv}".strip() or "flashnpu fpga", version=flashnpu.__version__,
                   tools=_tool_versions(), freq_mhz=args.freq, seed=args.seed, top=top, runs=[],
@@ -766,7 +776,7 @@ def main(args) -> int:
                                bram=board.bram, dsp=board.dsp)
         wd = args.build / board.name / top.replace(":", "_")
         if auto:
-            mr, mc = _parse_size(args.max_size)
+            mr, mc = max_size
             sizes = [(r, c) for r, c in SIZES if r <= mr and c <= mc]
             search = auto_search(board, make, top, wd, synth_only=args.synth_only, freq_mhz=args.freq,
                                  seed=args.seed, timeout=args.timeout, sizes=sizes, hier=not args.flat)
@@ -787,9 +797,8 @@ def main(args) -> int:
             record["generic"] = dict(size=f"{gen_size[0]}x{gen_size[1]}", top=gtop, method="", error=str(e))
     record["seconds"] = round(time.time() - t0, 1)
     md = markdown(record)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fpga.md").write_text(md)
-    (args.out / "fpga.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    write_text(args.out / "fpga.md", md, make_parent=True)
+    write_text(args.out / "fpga.json", json.dumps(record, indent=1, default=str) + "\n")
     print(md)
     print(f"wrote {args.out / 'fpga.md'} and {args.out / 'fpga.json'} ({record['seconds']} s)")
     if record.get("auto") is not None and record["auto"].get("chosen") is None:
@@ -818,9 +827,8 @@ def _merge(paths: list[Path], out: Path) -> int:
             merged["generic"] = r["generic"]
     merged["merged_from"] = [str(p) for p in paths]
     md = markdown(merged)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fpga.md").write_text(md)
-    (out / "fpga.json").write_text(json.dumps(merged, indent=1, default=str) + "\n")
+    write_text(out / "fpga.md", md, make_parent=True)
+    write_text(out / "fpga.json", json.dumps(merged, indent=1, default=str) + "\n")
     print(md)
     print(f"wrote {out / 'fpga.md'} and {out / 'fpga.json'}")
     return 0

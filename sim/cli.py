@@ -19,6 +19,7 @@ import importlib
 import json
 import time
 
+from flashnpu.argtypes import nonneg_int, positive_int
 from flashnpu.config import DEFAULT, NPUConfig
 from flashnpu.errors import UsageError
 from flashnpu.golden import (
@@ -29,6 +30,7 @@ from flashnpu.golden import (
     reference_attention,
     tolerance_check,
 )
+from flashnpu.paths import output_file
 
 from .case import CaseError, load_case, random_case, save_result
 
@@ -51,18 +53,18 @@ def register(sub):
     p.add_argument("--backend", choices=sorted(BACKENDS), default="golden")
     p.add_argument("--sim", choices=["verilator", "icarus"], default="verilator",
                    help="simulator for the rtl backend")
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
-    p.add_argument("--seq-q", type=int, default=256)
-    p.add_argument("--seq-kv", type=int, default=None, help="default: --seq-q")
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--heads", type=positive_int, default=2)
+    p.add_argument("--kv-heads", type=positive_int, default=None, help="default: --heads")
+    p.add_argument("--seq-q", type=positive_int, default=256)
+    p.add_argument("--seq-kv", type=positive_int, default=None, help="default: --seq-q")
+    p.add_argument("--head-dim", type=positive_int, default=128)
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rows", type=int, default=DEFAULT.array_rows, help="PE array rows")
-    p.add_argument("--cols", type=int, default=DEFAULT.array_cols, help="PE array columns")
+    p.add_argument("--seed", type=nonneg_int, default=0)
+    p.add_argument("--rows", type=positive_int, default=DEFAULT.array_rows, help="PE array rows")
+    p.add_argument("--cols", type=positive_int, default=DEFAULT.array_cols, help="PE array columns")
     p.add_argument("--waves", metavar="FILE.vcd", help="rtl backend: dump a waveform")
     p.add_argument("--wave-window", metavar="START:END", help="rtl backend: dump only these cycles")
-    p.add_argument("--wave-depth", type=int, default=None, help="rtl backend: hierarchy depth")
+    p.add_argument("--wave-depth", type=nonneg_int, default=None, help="rtl backend: hierarchy depth")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=main)
 
@@ -90,21 +92,35 @@ def array_config(rows: int, cols: int) -> NPUConfig:
         raise UsageError(str(e)) from None
 
 
+def check_outputs(args) -> None:
+    """The files ``flashnpu sim`` writes, checked before any work (``flashnpu.paths``)."""
+    inputs = [("--inputs", args.inputs)] if args.inputs else []
+    if args.out is not None:
+        output_file(args.out, "--out", suffixes=(".npz",), inputs=inputs,
+                    outputs=[("--waves", args.waves)] if args.waves else [])
+    if args.waves is not None:
+        if args.backend != "rtl":
+            raise UsageError(f"--waves {args.waves!r} needs --backend rtl (the {args.backend} backend has no waveform)")
+        output_file(args.waves, "--waves", suffixes=(".vcd", ".fst"), inputs=inputs, make_parent=True)
+    elif args.wave_window is not None or args.wave_depth is not None:
+        raise UsageError("--wave-window and --wave-depth need --waves FILE.vcd")
+
+
 def main(args) -> int:
     config = array_config(args.rows, args.cols)
+    check_outputs(args)
     try:
         if args.inputs:
             case = load_case(args.inputs, config)
         else:
-            for name in ("heads", "seq_q", "head_dim"):
-                if getattr(args, name) <= 0:
-                    raise CaseError(f"--{name.replace('_', '-')} must be positive, not {getattr(args, name)}")
             case = random_case(args.heads, args.kv_heads, args.seq_q, args.seq_kv, args.head_dim,
                                args.causal, args.seed, config)
     except CaseError as e:
         raise UsageError(str(e)) from None
 
     backend = importlib.import_module(BACKENDS[args.backend])
+    if hasattr(backend, "wave_options"):
+        backend.wave_options(args)                  # a bad window: before the build
     t0 = time.time()
     o, stats = backend.run(case, config, args)
     wall = time.time() - t0

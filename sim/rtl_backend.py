@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from flashnpu.config import NPUConfig
+from flashnpu.errors import UsageError
 from flashnpu.golden import numerics as nx
 from flashnpu.hdl.mem_common import word_bytes
 from flashnpu.hdl.npu import NPU, NPU_MODULE, NPUError, npu_verilog, register_map, sim_config
@@ -118,7 +119,7 @@ def plan_job(case, config: NPUConfig, base: int = 0x1000, overrides: dict | None
         mhs = n_kv * seq_q * W if mh > 1 else 0
         addr = _rup(mask_base + buf.size + 1, 4096)
     scale = 1.0 / math.sqrt(hd_eff) if case.scale is None else float(case.scale)
-    c_bits = int(np.float32(nx.scale_log2e(scale)).view(np.uint32))
+    c_bits = int(np.float32(nx.scale_log2e(scale, hd_eff)).view(np.uint32))
     kvl = seq_kv if case.kv_valid_len is None else min(int(case.kv_valid_len), seq_kv)
     regs = dict(q_base=qa, k_base=ka, v_base=va, o_base=oa, mask_base=mask_base,
                 q_head_stride=qhs, q_row_stride=qrs, k_head_stride=khs, k_row_stride=krs,
@@ -507,24 +508,47 @@ def stats_from_counters(cnt: dict, config: NPUConfig, case) -> dict:
     return st
 
 
+def wave_options(args) -> WaveOptions | None:
+    """``WaveOptions`` of ``flashnpu sim --waves --wave-window --wave-depth``,
+    or None without ``--waves``.
+
+    Raises
+    ------
+    flashnpu.errors.UsageError
+        a window that is not ``START:END`` with finite cycles, a bad file
+        name or depth (the message names the value).
+    """
+    wfile = getattr(args, "waves", None)
+    win = getattr(args, "wave_window", None)
+    depth = getattr(args, "wave_depth", None)
+    if not wfile:
+        if win or depth is not None:
+            raise UsageError("--wave-window and --wave-depth need --waves FILE.vcd")
+        return None
+    # defaults: the first DEFAULT_WAVE_CYCLES cycles, the top level and its
+    # children (controller, loader and O writer live in the top module; core
+    # and memory-system ports one level down) -- a full-depth dump of the
+    # 32 x 32 array costs hundreds of KB per cycle
+    start, end = 0, DEFAULT_WAVE_CYCLES
+    if win:
+        a, colon, b = str(win).partition(":")
+        try:
+            start = float(a) if a.strip() else None
+            end = float(b) if b.strip() else None
+        except ValueError:
+            start = end = float("nan")
+        if not colon or any(v is not None and not math.isfinite(v) for v in (start, end)):
+            raise UsageError(f"--wave-window must be START:END in cycles (either may be empty), not {win!r}")
+    try:
+        return WaveOptions(wfile, start=start, end=end, depth=DEFAULT_WAVE_DEPTH if depth is None else depth,
+                           unit="cycle", clock_period_ns=1.0)
+    except ValueError as e:
+        raise UsageError(f"--waves: {e}") from None
+
+
 def run(case, config: NPUConfig, args):
     """``flashnpu sim`` backend entry: (o float32 [heads, seq_q, head_dim], stats)."""
-    waves = None
-    wfile = getattr(args, "waves", None)
-    if wfile:
-        # defaults: the first DEFAULT_WAVE_CYCLES cycles, the top level and its
-        # children (controller, loader and O writer live in the top module; core
-        # and memory-system ports one level down) -- a full-depth dump of the
-        # 32 x 32 array costs hundreds of KB per cycle
-        start, end = 0, DEFAULT_WAVE_CYCLES
-        win = getattr(args, "wave_window", None)
-        if win:
-            a, _, b = str(win).partition(":")
-            start = float(a) if a else None
-            end = float(b) if b else None
-        depth = getattr(args, "wave_depth", None)
-        waves = WaveOptions(wfile, start=start, end=end, depth=DEFAULT_WAVE_DEPTH if depth is None else depth,
-                            unit="cycle", clock_period_ns=1.0)
+    waves = wave_options(args)
     sim = getattr(args, "sim", "verilator") or "verilator"
     res = run_jobs([dict(case=case)], config, sim=sim, waves=waves, seed=getattr(args, "seed", 0) or 0)[0]
     if res["error"]:

@@ -51,6 +51,7 @@ from amaranth.hdl import UnusedElaboratable
 import flashnpu
 from flashnpu.config import NPUConfig
 from flashnpu.hdl import array, core, npu, pe
+from flashnpu.paths import write_text
 from flashnpu.sim.runner import instance_counts, module_names, parse_ports
 from flashnpu.sim.verilog_cli import DEFAULT_TOP, TOPS, config_args
 
@@ -246,10 +247,11 @@ def generate(config: NPUConfig, top: str | None = None, name: str | None = None)
 
 
 def write(gen: Generated, path: Path) -> tuple[Path, Path]:
-    """Write ``gen`` to ``path`` and its sidecar to ``path`` with ``.json``."""
+    """Write ``gen`` to ``path`` and its sidecar to ``path`` with ``.json``,
+    each whole (``flashnpu.paths.atomic_write``); a missing folder is created."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     side = path.with_suffix(".json")
-    path.write_text(gen.text)
-    side.write_text(json.dumps(gen.sidecar(path), indent=1) + "\n")
+    sidecar = json.dumps(gen.sidecar(path), indent=1) + "\n"
+    write_text(path, gen.text, make_parent=True)
+    write_text(side, sidecar)
     return path, side

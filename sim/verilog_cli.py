@@ -23,8 +23,10 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from flashnpu.argtypes import float_in, nonneg_int, positive_int
 from flashnpu.config import NPUConfig
 from flashnpu.errors import UsageError
+from flashnpu.paths import output_file
 from flashnpu.sim.runner import lint
 
 __all__ = ["TOPS", "DEFAULT_TOP", "make_config", "config_args", "add_config_arguments",
@@ -94,12 +96,17 @@ def config_args(config: NPUConfig) -> str:
     return " ".join(out)
 
 
+def _field_int(name: str):
+    """argparse type of an int NPUConfig field: >= 1 (``tsv_spare_lanes`` >= 0)."""
+    return nonneg_int if name == "tsv_spare_lanes" else positive_int
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """``--rows``/``--cols`` and one ``--field-name`` option per NPUConfig field."""
     g = parser.add_argument_group("configuration (NPUConfig fields)")
-    g.add_argument("--rows", dest="array_rows", type=int, default=32, metavar="R",
+    g.add_argument("--rows", dest="array_rows", type=positive_int, default=32, metavar="R",
                    help="PE array rows (power of 2; default 32)")
-    g.add_argument("--cols", dest="array_cols", type=int, default=32, metavar="C",
+    g.add_argument("--cols", dest="array_cols", type=positive_int, default=32, metavar="C",
                    help="PE array columns (power of 2, >= 2; default 32)")
     for f in dataclasses.fields(NPUConfig):
         if f.name in _ALIASES:
@@ -108,7 +115,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                     "bc": "keys per kv tile (default 2C)",
                     "max_head_dim": "largest head_dim (default 128, or the largest multiple of 8 "
                                     "the PE register file holds)"}.get(f.name, f"default {f.default!r}")
-        g.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=float if f.type in ("float", float) else int,
+        g.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name,
+                       type=float_in(0.0, lo_open=True) if f.type in ("float", float) else _field_int(f.name),
                        default=None, metavar="N", help=helptext)
 
 
@@ -141,20 +149,37 @@ def register(subparsers) -> None:
     p.set_defaults(func=main)
 
 
+def output_paths(output, top: str, config: NPUConfig) -> Path:
+    """The Verilog file of ``-o`` (or the default under ``build/verilog``),
+    checked with its ``.json`` sidecar before anything is generated."""
+    # deferred, as in main
+    from flashnpu.sim.verilog import default_module_name
+
+    if output is None:
+        out = Path("build/verilog") / f"{default_module_name(top)}_{config.array_rows}x{config.array_cols}.v"
+        output_file(out, "-o", suffixes=(".v", ".sv"), make_parent=True)
+    else:
+        out = output_file(output, "-o", suffixes=(".v", ".sv"))
+    output_file(out.with_suffix(".json"), "sidecar", make_parent=output is None)
+    return out
+
+
 def main(args) -> int:
     # deferred: the generator imports amaranth and every HDL block, which
     # `flashnpu --help` does not need
-    from flashnpu.sim.verilog import default_module_name, generate, write
+    from flashnpu.sim.verilog import generate, resolve_top, write
 
     config = config_from_args(args)
     top = args.top or DEFAULT_TOP
     try:
+        resolve_top(top)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    out = output_paths(args.output, top, config)
+    try:
         gen = generate(config, top, args.name)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    out = args.output or Path("build/verilog") / f"{default_module_name(top)}_{config.array_rows}x{config.array_cols}.v"
-    if out.suffix != ".v" and out.suffix != ".sv":
-        raise UsageError(f"output must end in .v, not {str(out)!r}")
     vpath, side = write(gen, out)
     print(f"wrote {vpath} ({len(gen.text.encode()) / 1e6:.2f} MB, {len(gen.modules)} module(s), "
           f"{len(gen.ports)} ports, generated in {gen.generate_s:.1f} s) and {side}")

@@ -76,7 +76,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from flashnpu.argtypes import float_in, nonneg_int, positive_float
 from flashnpu.errors import UsageError
+from flashnpu.paths import output_file, write_text
 
 __all__ = ["WaveOptions", "hierarchy_scopes", "check_scopes", "icarus_hook", "verilator_main",
            "fst_supported", "add_window_arguments", "options_from_args", "Waves", "write_gtkw",
@@ -372,11 +374,11 @@ def verilator_main(out_dir: Path) -> Path:
 def add_window_arguments(parser) -> None:
     """Add ``--waves-from/--waves-to`` (cycles), ``--waves-depth`` and
     ``--waves-scope`` to a simulation command that has ``--waves FILE``."""
-    parser.add_argument("--waves-from", type=float, metavar="CYCLE",
+    parser.add_argument("--waves-from", type=float_in(0.0), metavar="CYCLE",
                         help="first clock cycle to dump (default 0)")
-    parser.add_argument("--waves-to", type=float, metavar="CYCLE",
+    parser.add_argument("--waves-to", type=float_in(0.0), metavar="CYCLE",
                         help="last clock cycle to dump (default: the end of the run)")
-    parser.add_argument("--waves-depth", type=int, default=0, metavar="N",
+    parser.add_argument("--waves-depth", type=nonneg_int, default=0, metavar="N",
                         help="hierarchy levels below each scope (0 = all, 1 = the scope only)")
     parser.add_argument("--waves-scope", metavar="A,B,...", default="",
                         help="instance paths to dump, e.g. core.ctrl,core.array.row0 "
@@ -409,11 +411,18 @@ class WavesError(Exception):
 _TIME_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?)\s*(fs|ps|ns|us|ms|s|c)?\s*$")
 _UNIT_S = {"fs": 1e-15, "ps": 1e-12, "ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 _RANGE_RE = re.compile(r"\[\d+(?::\d+)?\]$")
+_REAL_TYPES = ("real", "realtime", "shortreal")
 
 
 def _base(name: str) -> str:
     """Signal name without its bit range and with Icarus' escapes removed."""
     return _RANGE_RE.sub("", name).replace("\\", "")
+
+
+def _glob(pattern: str) -> str:
+    """A user pattern as an fnmatch pattern: only ``*`` and ``?`` are
+    wildcards, a ``[`` is itself (signal names hold brackets)."""
+    return pattern.replace("[", "[[]")
 
 
 def _internal(name: str) -> bool:
@@ -459,6 +468,10 @@ class Waves:
     def width(self, name: str) -> int:
         return int(self.vcd.data[self.vcd.references_to_ids[name]].size)
 
+    def is_real(self, name: str) -> bool:
+        """A ``real`` variable: its values are decimal numbers, not bits."""
+        return self.vcd.data[self.vcd.references_to_ids[name]].var_type in _REAL_TYPES
+
     # ---- times
     def parse_time(self, text: str, period_ns: float | None = None) -> int:
         """'120', '120ns', '3.5us', or '60c' (cycles, with ``period_ns``)
@@ -471,7 +484,11 @@ class Waves:
             sec = float(m.group(1)) * period_ns * 1e-9
         else:
             sec = float(m.group(1)) * _UNIT_S[m.group(2) or "ns"]
-        return int(round(sec / self.unit_s))
+        t = sec / self.unit_s
+        if not math.isfinite(t) or t > _FOREVER:
+            raise WavesError(f"bad time {text!r}: past the largest VCD time "
+                             f"({self.fmt_time(_FOREVER)} ns in {self.path.name})")
+        return int(round(t))
 
     def fmt_time(self, t: int) -> str:
         return f"{t * self.unit_s / 1e-9:.12g}"
@@ -485,15 +502,21 @@ class Waves:
             return [query]
         q = query.replace("\\", "")
         if any(c in q for c in "*?"):
-            pats = [q.lower(), "*." + q.lower()]          # anchored, or a dotted suffix
+            pats = [_glob(q.lower()), "*." + _glob(q.lower())]   # anchored, or a dotted suffix
             hits = [n for n in names if any(fnmatch.fnmatchcase(_base(n).lower(), p)
                                             or fnmatch.fnmatchcase(n.replace("\\", "").lower(), p)
                                             for p in pats)]
         else:
-            qb = _base(q)
-            hits = [n for n in names if _base(n) == qb]
-            if not hits:
-                hits = [n for n in names if _base(n).endswith("." + qb)]
+            # the query as given first (``acc[3]`` is an element of an array
+            # of vectors, listed as ``acc[3][31:0]``), then without a bit range
+            hits = []
+            for qb in dict.fromkeys([q, _base(q)]):
+                hits = [n for n in names if _base(n) == qb or n.replace("\\", "") == qb]
+                if not hits:
+                    hits = [n for n in names if _base(n).endswith("." + qb)
+                            or n.replace("\\", "").endswith("." + qb)]
+                if hits:
+                    break
         if not include_internal:
             hits = [n for n in hits if not _internal(n)]
         return hits
@@ -548,6 +571,16 @@ def _hex(bits: str | None, width: int) -> str:
         out.append(format(int(nib, 2), "x") if set(nib) <= {"0", "1"} else
                    ("x" if "x" in nib else "z"))
     return "".join(out)
+
+
+def _real(value: str | None) -> str:
+    """A ``real`` variable's value (VCD ``r<number>``) as a number."""
+    if value is None:
+        return "-"
+    try:
+        return repr(float(value))
+    except ValueError:
+        return value
 
 
 def _lanes(bits: str | None, width: int, lane: int) -> list[int] | None:
@@ -651,7 +684,7 @@ def write_gtkw(waves: Waves, out: Path, groups: dict[str, list[str]]) -> dict[st
             lines.append("@28" if w == 1 else "@22")  # binary / hex, right-justified
             lines.append(f"+{{{_alias(s)}}} {s.replace(chr(92), '')}")
         lines += ["@1000200", f"-{gname}"]           # group end
-    Path(out).write_text("\n".join(lines) + "\n")
+    write_text(out, "\n".join(lines) + "\n")
     return grouped
 
 
@@ -684,13 +717,15 @@ def _run_inner(args) -> int:
         raise UsageError("--at cannot be combined with --from/--to")
     if (args.start is not None or args.stop is not None) and args.signals is None:
         raise UsageError("--from/--to need --signals")
+    if args.gtkw is not None:
+        output_file(args.gtkw, "--gtkw", suffixes=(".gtkw", ".sav"), inputs=[("waveform", args.file)])
     head = Waves(args.file)                       # header only: names, widths, timescale
     out = sys.stdout
 
     if args.list is not None or not (query or args.gtkw):
         pat = args.list or "*"
         names = head.resolve(pat if any(c in pat for c in "*?") else f"*{pat}*",
-                             include_internal=args.all)
+                             include_internal=args.all)     # brackets are plain characters
         rows = [[n.replace("\\", ""), str(head.width(n))] for n in names]
         print(_table(["signal", "width"], rows) if rows else f"no signal matches {pat!r}", file=out)
         if args.list is None:
@@ -723,6 +758,9 @@ def _run_inner(args) -> int:
                 if not hits:
                     raise UsageError(f"--{kind} {q!r} is not one of the --signals")
                 for n in hits:
+                    if head.is_real(n):
+                        raise UsageError(f"--{kind} {q!r}: {n} is a real variable, printed as a number already")
+                for n in hits:
                     fp[n] = kind
         if args.period is not None and not args.period > 0:
             raise UsageError(f"--period must be positive, not {args.period!r}")
@@ -747,7 +785,8 @@ def _run_inner(args) -> int:
                 row.append(f"{t * w.unit_s / 1e-9 / args.period:.12g}")
             for n in names:
                 bits, width = w.value_at(n, t), w.width(n)
-                row.append(_fp_text(bits, width, fp[n]) if n in fp else _hex(bits, width))
+                row.append(_real(bits) if w.is_real(n) else
+                           _fp_text(bits, width, fp[n]) if n in fp else _hex(bits, width))
             rows.append(row)
         print(_table(header, rows), file=out)
     return 0
@@ -772,7 +811,7 @@ def register(subparsers) -> None:
     p.add_argument("--from", dest="start", metavar="T0", help="start of the time range")
     p.add_argument("--to", dest="stop", metavar="T1", help="end of the time range")
     p.add_argument("--at", metavar="T", help="print the values at one time")
-    p.add_argument("--period", type=float, metavar="NS",
+    p.add_argument("--period", type=positive_float, metavar="NS",
                    help="clock period: adds a cycle column (time / period) and allows times "
                         "such as 120c (cycles)")
     p.add_argument("--fp32", metavar="A,B,...",
