@@ -18,7 +18,10 @@ A job spec names an input
 ``.npz`` (the ``flashnpu sim`` file contract), an output ``.npz``, register
 overrides (rejection tests), a debug-register value (fault injection),
 optional ``tsv_fault`` register values (stuck-at TSV lanes, written before
-the self-test) and an optional watchdog limit.  For every job the testbench acts as the host:
+the self-test), an optional watchdog limit, the seed of the job's DRAM model
+and its random extra read delay (``dram_delay``: answers come 0..dram_delay
+cycles later than the model's minimum, always within the modelled latency,
+so a correct NPU's output and counters do not change).  For every job the testbench acts as the host:
 
 1. reset, run both TSV self-tests through ``tsv_ctl`` and check the links;
 2. write Q, K, V (and the mask) into the DRAM storage model, and a sentinel
@@ -139,7 +142,7 @@ async def run_job(dut, spec, seed):
                              kv_valid_len=int(z["kv_valid_len"]) if "kv_valid_len" in z.files else None,
                              scale=float(z["scale"]) if "scale" in z.files else None)
     plan = plan_job(case, CFG, overrides=spec.get("overrides"))
-    model = DRAMModel(CFG, seed=seed)
+    model = DRAMModel(CFG, seed=seed, max_extra_delay=int(spec.get("dram_delay", 0)))
     host = Host(dut, model)
     await reset(dut)
     server = cocotb.start_soon(model.cocotb_server(dut, dut.clk))

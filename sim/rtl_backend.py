@@ -178,7 +178,8 @@ def _job_spec(job: dict, tag: str, folder: Path, config: NPUConfig, seed: int) -
     return dict(inputs=str(cp), out=str(folder / f"res{tag}.npz"),
                 overrides=job.get("overrides", {}), debug=int(job.get("debug", 0)),
                 watchdog=job.get("watchdog"), timeout=job.get("timeout") or _timeout(job["case"], config),
-                name=job.get("name", f"job{tag}"), seed=int(seed), tsv_fault=job.get("tsv_fault") or {})
+                name=job.get("name", f"job{tag}"), seed=int(job.get("seed", seed)),
+                tsv_fault=job.get("tsv_fault") or {}, dram_delay=int(job.get("dram_delay", 0)))
 
 
 def _build_info(h) -> dict:
@@ -210,7 +211,10 @@ def run_jobs(jobs, config: NPUConfig, sim: str = "verilator", waves=None, seed: 
     ``overrides`` (register values, e.g. a bad head_dim), ``debug`` (value
     of the debug register), ``watchdog``, ``timeout`` (cycles), ``tsv_fault``
     (``{"tsv_fault_rd"|"tsv_fault_wr": value}``, written before the TSV
-    self-test).  Returns one
+    self-test), ``seed`` (of the job's DRAM model; default ``seed`` + the
+    job's index) and ``dram_delay`` (the DRAM model's random extra read
+    delay, 0..``dram_delay`` cycles; keep it below ``dram_latency_cycles`` - 2).
+    Returns one
     dict per job: ``o`` (float32 [heads, seq_q, head_dim]), ``error``
     (NPUError int), ``dma_code``, ``o_untouched`` (bool: the O region still
     holds the sentinel), ``counters`` (dict), ``wall_s``, ``build`` info,
@@ -267,8 +271,8 @@ class NPUSession:
     config : NPUConfig
     sim : 'verilator' (default) or 'icarus'
     seed : int
-        Seed of the DRAM model of every job (the batch mode of one job uses
-        the same).
+        Seed of the DRAM model of every job without a ``seed`` of its own
+        (the batch mode of one job uses the same).
     workdir : path, optional
         Folder for the FIFOs, job files and ``cocotb.log`` (default: a new
         temporary folder, removed by a clean ``close``).
