@@ -352,7 +352,7 @@ def _make_illegal(rng, spec: dict, config: NPUConfig, lim: Limits) -> str:
         if spec["mask"]:
             regs += ["mask_base", "mask_head_stride", "mask_tile_stride"]
         spec["fault_reg"] = reg = str(rng.choice(regs))
-        ov[reg] = ("+", int(rng.integers(1, W)))       # added to the planned value in make_job
+        ov[reg] = ["+", int(rng.integers(1, W))]       # added to the planned value in make_job
         return NPUError.MISALIGNED.name
     if what == "stride":
         reg = "o_row_stride" if sq > 1 else "o_head_stride"
@@ -529,11 +529,12 @@ def check(spec: dict, case: AttentionCase, res: dict, config: NPUConfig, golden_
 class RegressWorker:
     """Runs job specs on one simulator session (``NPUSession``: built once per
     configuration in the runner's cache, started once per worker) and checks
-    them.  A session that dies (a hung job) is reported in that job's record
-    and started again for the next job."""
+    them (``checker``, default ``check``).  A session that dies (a hung job)
+    is reported in that job's record and started again for the next job."""
 
     def __init__(self, config: NPUConfig, sim: str = "verilator", seed: int = 0, name: str | None = None,
-                 job_timeout_s: float = 1800.0):
+                 job_timeout_s: float = 1800.0, checker=None):
+        self.checker = checker or check       # check(spec, case, result, config) -> failures
         self.config = config
         self.sim = sim
         self.seed = int(seed) & 0x7FFFFFFF
@@ -570,7 +571,7 @@ class RegressWorker:
             rec.update(passed=False, failures=[f"simulator: {str(e).splitlines()[0]}"],
                        wall_s=round(time.time() - t0, 3))
             return rec
-        fails = check(spec, job["case"], res, self.config)
+        fails = self.checker(spec, job["case"], res, self.config)
         rec.update(passed=not fails, failures=fails, error=res.get("error_name"), dma_code=res.get("dma_code"),
                    counters=res.get("counters"), tsv=res.get("tsv"), o_untouched=res.get("o_untouched"),
                    o_sha256=o_digest(res["o"]), sim_wall_s=res.get("wall_s"), wall_s=round(time.time() - t0, 3))
