@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import sys
 import time
 
 from flashnpu.config import DEFAULT
@@ -39,7 +38,8 @@ def register(sub):
     p.add_argument("--rows", type=int, default=DEFAULT.array_rows, help="PE array rows")
     p.add_argument("--cols", type=int, default=DEFAULT.array_cols, help="PE array columns")
     p.add_argument("--workers", type=int, default=None,
-                   help="local worker processes (default: the CPU count; 1 runs in this process)")
+                   help="local worker processes (default: the CPU count; 1 runs in this process; "
+                   "with --address every worker of the cluster is used)")
     p.add_argument("--address", metavar="ADDR", help="Dask scheduler of a cluster, e.g. tcp://host:8786")
     p.add_argument("--sim", choices=["verilator", "icarus"], default="verilator")
     p.add_argument("--replay", type=int, action="append", metavar="JOB_SEED",
@@ -83,7 +83,7 @@ def main(args) -> int:
                                       base_seed=args.seed, progress=not args.no_progress, rows_cols=(
                                           args.rows, args.cols), **kw)
     cov = coverage_of(config, specs, records)
-    meta = dict(command="flashnpu " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else "",
+    meta = dict(command=_command(args, workers),
                 array=f"{args.rows}x{args.cols}", base_seed=args.seed, jobs_requested=args.jobs,
                 replay=args.replay, only=args.only, sim=args.sim, config=config.to_dict(),
                 illegal_fraction=args.illegal_fraction, inject_fraction=args.inject_fraction,
@@ -101,3 +101,21 @@ def main(args) -> int:
     print(f"  reports: {jp} {mp}")
     return 0 if summ["failed"] == 0 else 1
 
+
+
+def _command(args, workers: int) -> str:
+    """The command line of this run, with every default spelled out."""
+    parts = ["flashnpu", "regress", "--rows", str(args.rows), "--cols", str(args.cols)]
+    if args.replay:
+        parts += [x for s in args.replay for x in ("--replay", str(s))]
+    else:
+        parts += ["--jobs", str(args.jobs), "--seed", str(args.seed)]
+        parts += [x for i in (args.only or []) for x in ("--only", str(i))]
+    parts += ["--address", args.address] if args.address else ["--workers", str(workers)]
+    if args.sim != "verilator":
+        parts += ["--sim", args.sim]
+    if args.illegal_fraction != rg.DEFAULT_ILLEGAL:
+        parts += ["--illegal-fraction", f"{args.illegal_fraction:g}"]
+    if args.inject_fraction != rg.DEFAULT_INJECT:
+        parts += ["--inject-fraction", f"{args.inject_fraction:g}"]
+    return " ".join(shlex.quote(p) for p in parts)
