@@ -23,11 +23,14 @@ MAX_NEW_TOKENS ?= 32
 ROWS      ?= 32
 COLS      ?= 32
 JOBS      ?= 2
+REGRESS_JOBS ?= 200
+WORKERS   ?= 2
+ADDRESS   ?=
 
 CAUSAL_FLAG := $(if $(filter 1 yes true,$(CAUSAL)),--causal,--no-causal)
 WAVES_FLAG  := $(if $(filter 1 yes true,$(WAVES)),--waves build/waves/sim.vcd,)
 
-.PHONY: help venv lint sim test test-all verilog fpga waves decode bench clean
+.PHONY: help venv lint sim test test-all verilog fpga waves decode bench regress clean
 
 help:
 	@echo "make sim      RTL simulation of an attention job, checked against the golden model"
@@ -39,6 +42,7 @@ help:
 	@echo "make waves    list the signals of the last WAVES=1 run"
 	@echo "make decode   LLM decode through the NPU (PROMPT= MAX_NEW_TOKENS= DECODE_BACKEND=golden|rtl ROWS= COLS=)"
 	@echo "make bench    performance and energy report into results/"
+	@echo "make regress  random-job regression with coverage (REGRESS_JOBS= SEED= ROWS= COLS= WORKERS= ADDRESS=)"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +83,10 @@ decode: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/flashnpu bench --out results
+
+regress: $(STAMP)
+	$(BIN)/flashnpu regress --jobs $(REGRESS_JOBS) --seed $(SEED) --rows $(ROWS) --cols $(COLS) \
+	  --workers $(WORKERS) $(if $(ADDRESS),--address $(ADDRESS),) --out results
 
 clean:
 	rm -rf build .pytest_cache

@@ -23,6 +23,7 @@ COMMANDS = {
     "verilog": "flashnpu.sim.verilog_cli",
     "fpga": "flashnpu.scripts.fpga",
     "bench": "flashnpu.scripts.bench",
+    "regress": "flashnpu.sim.regress_cli",
 }
 
 

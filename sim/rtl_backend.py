@@ -182,8 +182,9 @@ def _job_spec(job: dict, tag: str, folder: Path, config: NPUConfig, seed: int) -
     return dict(inputs=str(cp), out=str(folder / f"res{tag}.npz"),
                 overrides=job.get("overrides", {}), debug=int(job.get("debug", 0)),
                 watchdog=job.get("watchdog"), timeout=job.get("timeout") or _timeout(job["case"], config),
-                name=job.get("name", f"job{tag}"), seed=int(seed), tsv_fault=job.get("tsv_fault") or {},
-                stress=job.get("stress") or {}, s_check=job.get("s_check"))
+                name=job.get("name", f"job{tag}"), seed=int(job.get("seed", seed)),
+                tsv_fault=job.get("tsv_fault") or {}, stress=job.get("stress") or {},
+                s_check=job.get("s_check"))
 
 
 def _build_info(h) -> dict:
@@ -215,10 +216,12 @@ def run_jobs(jobs, config: NPUConfig, sim: str = "verilator", waves=None, seed: 
     ``overrides`` (register values, e.g. a bad head_dim), ``debug`` (value
     of the debug register), ``watchdog``, ``timeout`` (cycles), ``tsv_fault``
     (``{"tsv_fault_rd"|"tsv_fault_wr": value}``, written before the TSV
-    self-test), ``stress`` (``{"dram_delay", "host_idle", "sram_stall"}``:
-    random DRAM response delay, host idle cycles, SRAM stall rate / 16; see
-    ``sim/cocotb_npu.py``), ``s_check`` (``{"threshold", "flip_mask"}``: the
-    S-tile check, see ``sim/cocotb_npu.py``).  Returns one
+    self-test), ``seed`` (of the job's DRAM model; default ``seed`` + the
+    job's index), ``stress`` (``{"dram_delay", "host_idle", "sram_stall"}``:
+    random DRAM response delay within the modelled latency, host idle
+    cycles, SRAM stall rate / 16; see ``sim/cocotb_npu.py``), ``s_check``
+    (``{"threshold", "flip_mask"}``: the S-tile check, see
+    ``sim/cocotb_npu.py``).  Returns one
     dict per job: ``o`` (float32 [heads, seq_q, head_dim]), ``error``
     (NPUError int), ``dma_code``, ``o_untouched`` (bool: the O region still
     holds the sentinel), ``counters`` (dict), ``wall_s``, ``build`` info,
@@ -280,8 +283,8 @@ class NPUSession:
     config : NPUConfig
     sim : 'verilator' (default) or 'icarus'
     seed : int
-        Seed of the DRAM model of every job (the batch mode of one job uses
-        the same).
+        Seed of the DRAM model of every job without a ``seed`` of its own
+        (the batch mode of one job uses the same).
     x_seed : int, optional
         Verilator: random power-up values from this seed (see ``run_jobs``).
     workdir : path, optional
