@@ -26,6 +26,7 @@ JOBS      ?= 2
 REGRESS_JOBS ?= 200
 WORKERS   ?= 2
 ADDRESS   ?=
+X_SEED    ?=
 
 CAUSAL_FLAG := $(if $(filter 1 yes true,$(CAUSAL)),--causal,--no-causal)
 WAVES_FLAG  := $(if $(filter 1 yes true,$(WAVES)),--waves build/waves/sim.vcd,)
@@ -42,7 +43,7 @@ help:
 	@echo "make waves    list the signals of the last WAVES=1 run"
 	@echo "make decode   LLM decode through the NPU (PROMPT= MAX_NEW_TOKENS= DECODE_BACKEND=golden|rtl ROWS= COLS=)"
 	@echo "make bench    performance and energy report into results/"
-	@echo "make regress  random-job regression with coverage (REGRESS_JOBS= SEED= ROWS= COLS= WORKERS= ADDRESS=)"
+	@echo "make regress  random-job regression with coverage (REGRESS_JOBS= SEED= ROWS= COLS= WORKERS= ADDRESS= X_SEED=)"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -86,7 +87,7 @@ bench: $(STAMP)
 
 regress: $(STAMP)
 	$(BIN)/flashnpu regress --jobs $(REGRESS_JOBS) --seed $(SEED) --rows $(ROWS) --cols $(COLS) \
-	  --workers $(WORKERS) $(if $(ADDRESS),--address $(ADDRESS),) --out results
+	  --workers $(WORKERS) $(if $(ADDRESS),--address $(ADDRESS),) $(if $(X_SEED),--x-seed $(X_SEED),) --out results
 
 clean:
 	rm -rf build .pytest_cache

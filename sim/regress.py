@@ -80,7 +80,7 @@ DEFAULT_INJECT = 0.05
 _WORKER_BRANCH = 2**32 - 1
 
 ILLEGAL_KINDS = ("head_dim", "zero_length", "heads", "misaligned", "stride", "range", "tsv")
-INJECT_KINDS = ("watchdog", "skip_init", "drop_s_write", "double_q", "queue")
+INJECT_KINDS = ("watchdog", "skip_init", "drop_s_write", "double_q", "queue", "kv_extra")
 HIDDEN_KINDS = ("none", "finite", "nan", "inf")
 
 
@@ -112,6 +112,7 @@ class Limits:
 
     br: int
     bc: int
+    rows: int
     cols: int
     max_head_dim: int
     kv_slots: int
@@ -124,7 +125,8 @@ class Limits:
 
     @classmethod
     def of(cls, config: NPUConfig) -> "Limits":
-        return cls(br=config.br, bc=config.bc, cols=config.array_cols, max_head_dim=config.max_head_dim,
+        return cls(br=config.br, bc=config.bc, rows=config.array_rows, cols=config.array_cols,
+                   max_head_dim=config.max_head_dim,
                    kv_slots=config.kv_slots, word=word_bytes(config), dram_bytes=config.dram_bytes,
                    dram_latency=config.dram_latency_cycles, tsv_data=config.tsv_data_lanes,
                    tsv_spares=config.tsv_spare_lanes, max_len=(1 << LEN_BITS) - 1)
@@ -284,6 +286,12 @@ def generate_job(seed: int, config: NPUConfig, index: int | None = None,
         expect = _make_illegal(rng, spec, config, lim)
     elif kind == "inject":
         expect = _make_inject(rng, spec, lim)
+    # random backpressure (SRAM stalls, host idle cycles) and the S-tile
+    # check on legal jobs; drawn last, so the fields above do not depend on them
+    legal = kind == "legal"
+    spec.update(sram_stall=int(rng.integers(1, 7)) if legal and rng.random() < 0.4 else 0,
+                host_idle=int(rng.integers(1, 5)) if rng.random() < 0.3 else 0,
+                s_check=bool(legal and rng.random() < 0.5))
     spec["expect"] = dict(error=expect, tsv={f["link"]: expected_tsv(f, lim) for f in spec["tsv"]})
     return spec
 
@@ -377,6 +385,15 @@ def _make_inject(rng, spec: dict, lim: Limits) -> str:
     what = str(rng.choice(INJECT_KINDS))
     spec["fault"] = what
     spec.update(causal=False, mask=None, kv_valid_len=None, hidden="none", tsv=[])
+    if what == "kv_extra":
+        # one kv tile too many into K0/V0 (n_kv even) before a second q tile:
+        # the core takes it as that q tile's K_0, the real K_0 waits forever
+        spec.update(heads=1, kv_heads=1, seq_q=2 * lim.br, seq_kv=2 * lim.bc,
+                    head_dim=int(rng.integers(1, lim.max_head_dim + 1)))
+        spec["debug"] = 1 << 4
+        # 4x a tile pair at max_head_dim (2 * Br * Bc * d / (R * C) cycles)
+        spec["overrides"]["kv_stale_limit"] = 8 * lim.br * lim.bc * lim.max_head_dim // (lim.rows * lim.cols)
+        return NPUError.KV_STALE.name
     if what in ("double_q", "queue"):
         # the shape of the fixed tests (tb/rtl/test_npu_rtl.py: inj_overwrite, inj_queue)
         spec.update(heads=1, kv_heads=1, seq_q=int(rng.integers(lim.br // 2, lim.br + 1)),
@@ -450,7 +467,9 @@ def make_job(spec: dict, config: NPUConfig) -> dict:
     return dict(case=case, name=f"job{spec['id']}" if spec.get("id") is not None else f"seed{spec['seed']}",
                 overrides=overrides, debug=int(spec.get("debug", 0)), watchdog=spec.get("watchdog"),
                 tsv_fault=tsv_fault, seed=int(spec["seed"]) & 0x7FFFFFFF,
-                stress=dict(dram_delay=int(spec["dram_delay"])))
+                stress=dict(dram_delay=int(spec["dram_delay"]), host_idle=int(spec.get("host_idle", 0)),
+                            sram_stall=int(spec.get("sram_stall", 0))),
+                s_check=dict(threshold=0) if spec.get("s_check") else None)
 
 
 # ------------------------------------------------------------------ checks
@@ -460,11 +479,13 @@ def o_digest(o: np.ndarray) -> str:
 
 
 def repro_command(spec: dict, rows: int, cols: int, sim: str = "verilator", illegal: float = DEFAULT_ILLEGAL,
-                  inject: float = DEFAULT_INJECT) -> str:
+                  inject: float = DEFAULT_INJECT, x_seed: int | None = None) -> str:
     """The one-line command that runs ``spec``'s job alone."""
     cmd = f"flashnpu regress --rows {rows} --cols {cols} --replay {spec['seed']}"
     if sim != "verilator":
         cmd += f" --sim {sim}"
+    if x_seed is not None:
+        cmd += f" --x-seed {x_seed}"
     if illegal != DEFAULT_ILLEGAL:
         cmd += f" --illegal-fraction {illegal:g}"
     if inject != DEFAULT_INJECT:
@@ -511,6 +532,14 @@ def check(spec: dict, case: AttentionCase, res: dict, config: NPUConfig, golden_
                 fails.append(f"float rule: {e}")
         if cnt and int(cnt.get("total_cycles", 0)) <= 0:
             fails.append("total_cycles counter is 0")
+        sc = res.get("s_check")
+        if spec.get("s_check") and sc is None:
+            fails.append("S-tile check: no result")
+        elif sc and sc["stopped"]:
+            fails.append(f"S-tile check: head {sc['head']} q tile {sc['q_tile']} kv tile {sc['kv_tile']}: "
+                         f"{sc['count']} non-zero P, golden {sc['expected']}")
+        elif sc and got == "OK" and sc["tiles"] != int(cnt.get("kv_tiles", -1)):
+            fails.append(f"S-tile check: {sc['tiles']} tiles compared, kv_tiles counter {cnt.get('kv_tiles')}")
     lim = Limits.of(config)
     tsv = res.get("tsv")
     for f in spec.get("tsv", []):
@@ -534,13 +563,14 @@ class RegressWorker:
     is reported in that job's record and started again for the next job."""
 
     def __init__(self, config: NPUConfig, sim: str = "verilator", seed: int = 0, name: str | None = None,
-                 job_timeout_s: float = 1800.0, checker=None):
+                 job_timeout_s: float = 1800.0, checker=None, x_seed: int | None = None):
         self.checker = checker or check       # check(spec, case, result, config) -> failures
         self.config = config
         self.sim = sim
         self.seed = int(seed) & 0x7FFFFFFF
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.job_timeout_s = job_timeout_s
+        self.x_seed = x_seed
         self.session = None
         self.startups = 0
         self.startup_s = 0.0
@@ -549,7 +579,8 @@ class RegressWorker:
         if self.session is None or not self.session.alive:
             if self.session is not None:
                 self.session.close()
-            self.session = NPUSession(self.config, sim=self.sim, seed=self.seed, job_timeout_s=self.job_timeout_s)
+            self.session = NPUSession(self.config, sim=self.sim, seed=self.seed, job_timeout_s=self.job_timeout_s,
+                                      x_seed=self.x_seed)
             self.startups += 1
             self.startup_s += self.session.startup_s
         return self.session
@@ -560,7 +591,7 @@ class RegressWorker:
         rows, cols = rows_cols or (self.config.array_rows, self.config.array_cols)
         rec = dict(id=spec.get("id"), seed=spec["seed"], kind=spec["kind"], fault=spec.get("fault"),
                    expect=spec["expect"]["error"], worker=self.name,
-                   repro=repro_command(spec, rows, cols, self.sim, illegal, inject))
+                   repro=repro_command(spec, rows, cols, self.sim, illegal, inject, self.x_seed))
         try:
             job = make_job(spec, self.config)
         except Exception as e:  # noqa: BLE001 - a generator bug is a failed job, not a crash
@@ -594,17 +625,18 @@ class RegressWorker:
 _PROCESS_WORKERS: dict = {}
 
 
-def _dask_run(spec: dict, config_json: str, sim: str, seeds: dict, rows_cols, illegal, inject) -> dict:
+def _dask_run(spec: dict, config_json: str, sim: str, seeds: dict, rows_cols, illegal, inject,
+              x_seed=None) -> dict:
     """Task body on a Dask worker: the process's own RegressWorker runs ``spec``."""
     from distributed import get_worker
 
     me = get_worker()
-    key = (config_json, sim)
+    key = (config_json, sim, x_seed)
     w = _PROCESS_WORKERS.get(key)
     if w is None:
         w = _PROCESS_WORKERS[key] = RegressWorker(
             NPUConfig.from_json(config_json), sim=sim, seed=seeds.get(me.address, 0),
-            name=f"{me.name}@{socket.gethostname()}:{os.getpid()}")
+            name=f"{me.name}@{socket.gethostname()}:{os.getpid()}", x_seed=x_seed)
     return w.run(spec, rows_cols, illegal, inject)
 
 
@@ -617,8 +649,12 @@ def _dask_close() -> list:
 
 def run_regression(specs: list[dict], config: NPUConfig, workers: int = 1, address: str | None = None,
                    sim: str = "verilator", base_seed: int = 0, progress: bool = True, illegal=DEFAULT_ILLEGAL,
-                   inject=DEFAULT_INJECT, rows_cols=None) -> tuple[list[dict], dict]:
+                   inject=DEFAULT_INJECT, rows_cols=None, x_seed: int | None = None) -> tuple[list[dict], dict]:
     """Run ``specs`` and return (records in spec order, run info).
+
+    ``x_seed`` (Verilator): every worker's model powers up with random
+    register and memory values from this seed (``run_jobs``); a design
+    whose results depend on power-up values fails here.
 
     ``workers == 1`` without ``address``: one worker in this process.
     Otherwise Dask: a local cluster of ``workers`` single-threaded worker
@@ -636,8 +672,8 @@ def run_regression(specs: list[dict], config: NPUConfig, workers: int = 1, addre
 
     t0 = time.time()
     rows_cols = rows_cols or (config.array_rows, config.array_cols)
-    build_npu(config, sim=sim, quiet=True)
-    info = dict(engine="in-process", workers=1, address=None, build_s=round(time.time() - t0, 2))
+    build_npu(config, sim=sim, quiet=True, x_random=x_seed is not None)
+    info = dict(engine="in-process", workers=1, address=None, build_s=round(time.time() - t0, 2), x_seed=x_seed)
     records: list[dict | None] = [None] * len(specs)
     bar = tqdm(total=len(specs), desc="regress", unit="job", disable=not progress, dynamic_ncols=True)
     fails = 0
@@ -651,7 +687,7 @@ def run_regression(specs: list[dict], config: NPUConfig, workers: int = 1, addre
 
     try:
         if workers <= 1 and address is None:
-            w = RegressWorker(config, sim=sim, seed=worker_seeds(base_seed, 1)[0], name="w0")
+            w = RegressWorker(config, sim=sim, seed=worker_seeds(base_seed, 1)[0], name="w0", x_seed=x_seed)
             try:
                 for i, s in enumerate(specs):
                     done(i, w.run(s, rows_cols, illegal, inject))
@@ -659,14 +695,15 @@ def run_regression(specs: list[dict], config: NPUConfig, workers: int = 1, addre
                 info["worker_info"] = [w.close()]
         else:
             info.update(_run_dask(specs, config, workers, address, sim, base_seed, rows_cols, illegal, inject,
-                                  done))
+                                  done, x_seed))
     finally:
         bar.close()
     info["wall_s"] = round(time.time() - t0, 2)
     return [r for r in records if r is not None], info
 
 
-def _run_dask(specs, config, workers, address, sim, base_seed, rows_cols, illegal, inject, done) -> dict:
+def _run_dask(specs, config, workers, address, sim, base_seed, rows_cols, illegal, inject, done,
+              x_seed=None) -> dict:
     from distributed import Client, LocalCluster, as_completed
 
     t1 = time.time()
@@ -684,7 +721,7 @@ def _run_dask(specs, config, workers, address, sim, base_seed, rows_cols, illega
             raise RuntimeError(f"the Dask scheduler at {address} has no workers")
         seeds = dict(zip(addrs, worker_seeds(base_seed, len(addrs))))
         cj = config.to_json()
-        futs = {client.submit(_dask_run, s, cj, sim, seeds, rows_cols, illegal, inject, pure=False,
+        futs = {client.submit(_dask_run, s, cj, sim, seeds, rows_cols, illegal, inject, x_seed, pure=False,
                               key=f"regress-{i}-{s['seed']}"): i for i, s in enumerate(specs)}
         for fut in as_completed(futs):
             done(futs[fut], fut.result())

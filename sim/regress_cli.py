@@ -22,6 +22,7 @@ import os
 import shlex
 import time
 
+from flashnpu.argtypes import int_in
 from flashnpu.config import DEFAULT
 from flashnpu.errors import UsageError
 
@@ -42,6 +43,9 @@ def register(sub):
                    "with --address every worker of the cluster is used)")
     p.add_argument("--address", metavar="ADDR", help="Dask scheduler of a cluster, e.g. tcp://host:8786")
     p.add_argument("--sim", choices=["verilator", "icarus"], default="verilator")
+    p.add_argument("--x-seed", type=int_in(1), default=None, metavar="S",
+                   help="Verilator: every register and memory word powers up random from seed S "
+                   "(a separate build); results must equal a run without it")
     p.add_argument("--replay", type=int, action="append", metavar="JOB_SEED",
                    help="run only the job with this seed (from a report or a repro line); repeatable")
     p.add_argument("--only", type=int, action="append", metavar="JOB_ID",
@@ -81,7 +85,7 @@ def main(args) -> int:
     t0 = time.time()
     records, info = rg.run_regression(specs, config, workers=workers, address=args.address, sim=args.sim,
                                       base_seed=args.seed, progress=not args.no_progress, rows_cols=(
-                                          args.rows, args.cols), **kw)
+                                          args.rows, args.cols), x_seed=args.x_seed, **kw)
     cov = coverage_of(config, specs, records)
     meta = dict(command=_command(args, workers),
                 array=f"{args.rows}x{args.cols}", base_seed=args.seed, jobs_requested=args.jobs,
@@ -114,6 +118,8 @@ def _command(args, workers: int) -> str:
     parts += ["--address", args.address] if args.address else ["--workers", str(workers)]
     if args.sim != "verilator":
         parts += ["--sim", args.sim]
+    if args.x_seed is not None:
+        parts += ["--x-seed", str(args.x_seed)]
     if args.illegal_fraction != rg.DEFAULT_ILLEGAL:
         parts += ["--illegal-fraction", f"{args.illegal_fraction:g}"]
     if args.inject_fraction != rg.DEFAULT_INJECT:

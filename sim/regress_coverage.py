@@ -31,6 +31,9 @@ dma.stall           dma_stall_cycles / total_cycles of a legal job: <= 10 %
                     (compute-bound) / 10-30 % / > 30 % (memory-bound); no bin
                     for 0: the first Q and K/V loads are always waited for
 dram.delay          extra read delay of the DRAM model: 0 / 1-8 / 9 and more
+stress.sram_stall   random SRAM stalls (legal jobs): off / on
+stress.host_idle    random idle cycles before host bus accesses: off / on
+check.s_tile        the S-tile check compared every tile (legal jobs): off / on
 cross.path_mask     shape.path x mask.kind
 cross.edges         edge.seq_q x edge.seq_kv (prefill)
 ==================  ==========================================================
@@ -129,6 +132,9 @@ def features(spec: dict, rec: dict, config: NPUConfig) -> dict:
         "tsv.wr": tsv["wr"],
         "dma.stall": stall,
         "dram.delay": "0" if delay == 0 else "1-8" if delay <= 8 else "9+",
+        "stress.sram_stall": ("on" if spec.get("sram_stall") else "off") if legal else None,
+        "stress.host_idle": "on" if spec.get("host_idle") else "off",
+        "check.s_tile": ("on" if spec.get("s_check") else "off") if legal else None,
         "_S": S,
     }
 
@@ -169,6 +175,9 @@ class RegressCoverage:
             "tsv.wr": [str(i) for i in range(S + 1)] + ["TOO_MANY"],
             "dma.stall": ["<=10%", "10-30%", ">30%"],
             "dram.delay": ["0", "1-8", "9+"],
+            "stress.sram_stall": ["off", "on"],
+            "stress.host_idle": ["off", "on"],
+            "check.s_tile": ["off", "on"],
         }
         points = [CoverPoint(f"{self.top}.{n}", xf=(lambda f, n=n: f[n]), bins=list(b))
                   for n, b in self.bins.items()]

@@ -125,7 +125,7 @@ def _legal_spec(seed=1):
 
 
 def test_checker_catches_a_flipped_golden_bit():
-    spec = _legal_spec()
+    spec = dict(_legal_spec(), s_check=False)
     job = rg.make_job(spec, CFG4)
     c = job["case"]
     gold = flash_attention_hw(c.q, c.k, c.v, config=CFG4, **c.kwargs()).o
@@ -191,3 +191,20 @@ def test_every_legal_kind_is_reachable(cfg):
     assert {s["hidden"] for s in specs} == set(rg.HIDDEN_KINDS)
     assert any(s["mask"] and s["mask"]["per_head"] for s in specs)
     assert any(s["kv_valid_len"] == 0 for s in specs)
+
+
+def test_checker_reads_the_s_tile_check():
+    """A legal job run with the S-tile check fails when the check stopped it,
+    when it has no result, or when it compared fewer tiles than the NPU ran."""
+    spec = dict(_legal_spec(), s_check=True)
+    job = rg.make_job(spec, CFG4)
+    assert job["s_check"] == dict(threshold=0)
+    c = job["case"]
+    gold = flash_attention_hw(c.q, c.k, c.v, config=CFG4, **c.kwargs()).o
+    res = dict(error=0, error_name="OK", o=gold.copy(), counters=dict(total_cycles=100, kv_tiles=3), tsv=None,
+               s_check=dict(stopped=False, tiles=3))
+    assert rg.check(spec, c, res, CFG4) == []
+    assert rg.check(spec, c, dict(res, s_check=None), CFG4) == ["S-tile check: no result"]
+    assert "2 tiles compared" in rg.check(spec, c, dict(res, s_check=dict(stopped=False, tiles=2)), CFG4)[0]
+    stop = dict(stopped=True, tiles=1, head=0, q_tile=0, job_q_tile=0, kv_tile=1, count=5, expected=6)
+    assert rg.check(spec, c, dict(res, s_check=stop), CFG4)[0].startswith("S-tile check: head 0 q tile 0 kv tile 1")
