@@ -89,7 +89,7 @@ class MemTB:
         self._tasks.append(cocotb.start_soon(Clock(d.clk, 1, unit="ns").start()))
         d.rst.value = 1
         for name in ("pp_release", "tsv_rd__repair_we", "tsv_wr__repair_we", "tsv_rd__bist_start",
-                     "tsv_wr__bist_start", "bk__resp_valid"):
+                     "tsv_wr__bist_start", "bk__resp_valid", "sram_stall"):
             getattr(d, name).value = 0
         for i in range(N_CONS):
             getattr(d, f"sram_ports__{i}__req__valid").value = 0
