@@ -87,7 +87,7 @@ bench: $(STAMP)
 
 regress: $(STAMP)
 	$(BIN)/flashnpu regress --jobs $(REGRESS_JOBS) --seed $(SEED) --rows $(ROWS) --cols $(COLS) \
-	  --workers $(WORKERS) $(if $(ADDRESS),--address $(ADDRESS),) $(if $(X_SEED),--x-seed $(X_SEED),) --out results
+	  --workers $(WORKERS) $(if $(ADDRESS),--address $(ADDRESS),) $(if $(X_SEED),--x-seed $(X_SEED),) --out results/regress_$(ROWS)x$(COLS)
 
 clean:
 	rm -rf build .pytest_cache

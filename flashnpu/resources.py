@@ -55,4 +55,4 @@ def check_memory(need: int, what: str) -> None:
     limit = memory_limit()
     if need > limit:
         raise ValueError(f"{what} needs about {fmt_bytes(need)} of memory, more than the "
-                         f"{fmt_bytes(limit)} available")
+                         f"{fmt_bytes(limit)} available; make it smaller")

@@ -141,7 +141,7 @@ def check_case_size(heads, kv_heads, seq_q, seq_kv, head_dim, config: NPUConfig)
         check_memory(case_bytes(heads, kv_heads, seq_q, seq_kv, head_dim, config),
                      f"a case of heads={heads}, seq_q={seq_q}, seq_kv={seq_kv}, head_dim={head_dim}")
     except ValueError as e:
-        raise CaseError(f"{e}; make it smaller") from None
+        raise CaseError(str(e)) from None
 
 
 def _scalar(z, key, kind):

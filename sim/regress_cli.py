@@ -25,6 +25,7 @@ import time
 from flashnpu.argtypes import int_in
 from flashnpu.config import DEFAULT
 from flashnpu.errors import UsageError
+from flashnpu.paths import output_dir
 
 from . import regress as rg
 from .cli import array_config
@@ -72,6 +73,7 @@ def main(args) -> int:
         raise UsageError(f"--only takes job ids 0..{args.jobs - 1} (of --jobs {args.jobs})")
     if args.replay and any(s < 0 for s in args.replay):
         raise UsageError("--replay takes the non-negative job seed of a report")
+    output_dir(args.out, "--out")
     workers = args.workers if args.workers is not None else (os.cpu_count() or 1)
     if workers < 1:
         raise UsageError(f"--workers must be at least 1, not {workers}")

@@ -141,7 +141,8 @@ def register(subparsers) -> None:
                    help=f"block to generate: {'|'.join(TOPS)} or MODULE:CLASS (default: {DEFAULT_TOP})")
     p.add_argument("--name", default=None, help="Verilog name of the top module (default flashnpu[_TOP])")
     p.add_argument("-o", "--output", type=Path, default=None,
-                   help="Verilog file to write (default build/verilog/flashnpu_TOP_RxC.v); "
+                   help="Verilog file to write (default build/verilog/flashnpu_RxC.v for the NPU, "
+                   "build/verilog/flashnpu_TOP_RxC.v for another top); "
                         "the sidecar goes beside it with .json")
     p.add_argument("--lint", action="store_true",
                    help="then run verilator --lint-only -Wall and iverilog -g2012; "

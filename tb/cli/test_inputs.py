@@ -379,3 +379,13 @@ def test_waves_real_variable_prints_its_number(vcd, capsys):
     assert rc == 0, err
     rows = [line.split() for line in out.splitlines()[2:]]
     assert rows == [["0", "3.5", "00"], ["1", "-0.25", "01"]], out
+
+
+def test_regress_out_that_is_a_file(tmp_path, capsys):
+    """``regress --out`` naming a file is refused before any job runs (the
+    report folder used to fail after the whole regression); the file is kept."""
+    f = tmp_path / "report.md"
+    f.write_text("keep")
+    assert_rejected(*run(capsys, "regress", "--rows", "4", "--cols", "4", "--jobs", "1", "--workers", "1",
+                         "--out", f), "exists and is not a folder")
+    assert f.read_text() == "keep" and snapshot(tmp_path) == {f: (b"keep", f.stat().st_mode)}
