@@ -145,12 +145,11 @@ class Controller(wiring.Component):
         seq_q, seq_kv = self.seq.seq_q, self.seq.seq_kv
         hd = self.head_dim.head_dim
         mask_en = self.flags.mask_en
-        R_ = {n: getattr(self, n) for n in JOB_REGS}
         mis = Signal()
-        terms = [R_[n] for n in ("q_base", "k_base", "v_base", "o_base", "q_head_stride", "q_row_stride",
-                                 "k_head_stride", "k_row_stride", "v_head_stride", "v_row_stride",
-                                 "o_head_stride", "o_row_stride")]
-        mterms = [R_[n] for n in ("mask_base", "mask_head_stride", "mask_tile_stride")]
+        terms = [getattr(self, n) for n in ("q_base", "k_base", "v_base", "o_base", "q_head_stride",
+                                            "q_row_stride", "k_head_stride", "k_row_stride", "v_head_stride",
+                                            "v_row_stride", "o_head_stride", "o_row_stride")]
+        mterms = [getattr(self, n) for n in ("mask_base", "mask_head_stride", "mask_tile_stride")]
         m.d.comb += mis.eq(Cat(*[(t & (W - 1)) != 0 for t in terms]).any()
                            | (mask_en & Cat(*[(t & (W - 1)) != 0 for t in mterms]).any()))
         # tensor ends: base + (heads-1)*head stride + (rows-1)*row stride + row bytes
@@ -161,14 +160,15 @@ class Controller(wiring.Component):
                                          ("v_base", "v_head_stride", "v_row_stride", kv_heads, seq_kv, 2),
                                          ("o_base", "o_head_stride", "o_row_stride", heads, seq_q, 4)):
             e = Signal(end_bits, name=f"end_{base[0]}")
-            m.d.comb += e.eq(R_[base] + (nh - 1) * R_[hs] + (ns - 1) * R_[rs] + eb * hd)
+            m.d.comb += e.eq(getattr(self, base) + (nh - 1) * getattr(self, hs) + (ns - 1) * getattr(self, rs)
+                             + eb * hd)
             ends.append(e)
         e_m = Signal(end_bits)
-        m.d.comb += e_m.eq(R_["mask_base"] + (heads - 1) * R_["mask_head_stride"]
-                           + (n_kv_all - 1) * R_["mask_tile_stride"] + seq_q * W)
+        m.d.comb += e_m.eq(self.mask_base + (heads - 1) * self.mask_head_stride
+                           + (n_kv_all - 1) * self.mask_tile_stride + seq_q * W)
         out_range = Cat(*[e > cfg.dram_bytes for e in ends]).any() | (mask_en & (e_m > cfg.dram_bytes))
-        bad_stride = ((seq_q > 1) & (R_["o_row_stride"] < 4 * hd)) | \
-                     ((seq_q == 1) & (heads > 1) & (R_["o_head_stride"] < 4 * hd))
+        bad_stride = ((seq_q > 1) & (self.o_row_stride < 4 * hd)) | \
+                     ((seq_q == 1) & (heads > 1) & (self.o_head_stride < 4 * hd))
         code = Signal(NPUError)
         with m.If((hd == 0) | (hd > cfg.max_head_dim)):
             m.d.comb += code.eq(NPUError.BAD_HEAD_DIM)
@@ -198,7 +198,6 @@ class Controller(wiring.Component):
         seq_q, seq_kv = self.seq.seq_q, self.seq.seq_kv
         hd = self.head_dim.head_dim
         causal, mask_en = self.flags.causal, self.flags.mask_en
-        R_ = {n: getattr(self, n) for n in JOB_REGS}
 
         State = CtrlState
         state = Signal(State)
@@ -288,14 +287,14 @@ class Controller(wiring.Component):
                 W = self.map["W"]
                 m.d.sync += [
                     w.kv_end.eq(e0), w.kv_left.eq(e0), w.kvo.eq(0), w.n_kv.eq(Mux(nk_all == 0, 1, nk_all)),
-                    w.q_src.eq(R_["q_base"] + w.h * R_["q_head_stride"] + w.q0 * R_["q_row_stride"]),
-                    w.q_str.eq(Mux(stacked, R_["q_head_stride"], R_["q_row_stride"])),
-                    w.o_dst.eq(R_["o_base"] + w.h * R_["o_head_stride"] + w.q0 * R_["o_row_stride"]),
-                    w.o_str.eq(Mux(stacked, R_["o_head_stride"], R_["o_row_stride"])),
-                    w.m_src.eq(R_["mask_base"] + w.h * R_["mask_head_stride"] + w.q0 * W),
-                    w.m_str.eq(Mux(stacked, R_["mask_head_stride"], W)),
-                    w.k_src.eq(R_["k_base"] + w.kvh * R_["k_head_stride"]),
-                    w.v_src.eq(R_["v_base"] + w.kvh * R_["v_head_stride"]),
+                    w.q_src.eq(self.q_base + w.h * self.q_head_stride + w.q0 * self.q_row_stride),
+                    w.q_str.eq(Mux(stacked, self.q_head_stride, self.q_row_stride)),
+                    w.o_dst.eq(self.o_base + w.h * self.o_head_stride + w.q0 * self.o_row_stride),
+                    w.o_str.eq(Mux(stacked, self.o_head_stride, self.o_row_stride)),
+                    w.m_src.eq(self.mask_base + w.h * self.mask_head_stride + w.q0 * W),
+                    w.m_str.eq(Mux(stacked, self.mask_head_stride, W)),
+                    w.k_src.eq(self.k_base + w.kvh * self.k_head_stride),
+                    w.v_src.eq(self.v_base + w.kvh * self.v_head_stride),
                     w.j.eq(0), w.item.eq(0), w.q_issued.eq(0), state.eq(State.CMD),
                 ]
             with m.Case(State.CMD):

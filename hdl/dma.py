@@ -581,7 +581,7 @@ class MemorySystem(wiring.Component):
             members["sram_ports"] = In(SRAMPortSignature(sab, self.wbytes)).array(n_consumers)
         elif n_consumers:
             for i, v in enumerate(self.consumer_lanes):
-                members[f"sram_port{i}"] = In(SRAMPortSignature(sab - exact_log2(v), self.wbytes * v))
+                members[f"sram_port{i}"] = In(SRAMPortSignature.of(config, v))
         super().__init__(members)
         if n_consumers and "sram_ports" not in members:
             self.sram_ports = [getattr(self, f"sram_port{i}") for i in range(n_consumers)]

@@ -46,7 +46,6 @@ from amaranth.utils import ceil_log2, exact_log2
 
 from flashnpu.config import NPUConfig
 
-from .mem_common import addr_bits_for
 from .npu_map import COUNT_BITS, LEN_BITS, NPUError, Tag, job_layout, qtile_layout, sram_map
 from .sram import SRAMPortSignature
 from .tilebuf import BufSel, write_layout
@@ -104,7 +103,7 @@ class TileLoader(wiring.Component):
             "done_count": In(data.ArrayLayout(COUNT_BITS, len(Tag))),
             "core_full": In(len(BufSel)),
             "pp_full": In(2), "pp_release": Out(2),
-            "sram": Out(SRAMPortSignature(addr_bits_for(config.sram_bytes, W) - exact_log2(LW // W), LW)),
+            "sram": Out(SRAMPortSignature.of(config, LW // W)),
             "wr": Out(stream.Signature(write_layout(config))),
             "busy": Out(1), "fail": Out(1), "fail_code": Out(NPUError), "stale": Out(stale_layout()),
         })

@@ -34,7 +34,6 @@ from flashnpu.config import NPUConfig
 
 from .core import out_layout
 from .dma import Direction, descriptor_layout
-from .mem_common import addr_bits_for
 from .npu_map import COUNT_BITS, O_TILES, Tag, job_layout, o_chunk, otile_layout, sram_map
 from .sram import SRAMPortSignature
 
@@ -67,7 +66,7 @@ class OWriter(wiring.Component):
             "otile": In(stream.Signature(otile_layout(config))),
             "job": In(job_layout(config)),
             "clear": In(1), "active": In(1), "done_o": In(COUNT_BITS),
-            "sram": Out(SRAMPortSignature(addr_bits_for(config.sram_bytes, W) - exact_log2(OW // W), OW)),
+            "sram": Out(SRAMPortSignature.of(config, OW // W)),
             "wb": Out(stream.Signature(descriptor_layout)),
             "idle": Out(1),
         })

@@ -75,6 +75,13 @@ class SRAMPortSignature(wiring.Signature):
             "rdata": In(stream.Signature(8 * wbytes)),
         })
 
+    @classmethod
+    def of(cls, config, lanes: int = 1) -> "SRAMPortSignature":
+        """The port of ``config``'s SRAM that moves ``lanes`` bus words per
+        request (word address of ``lanes`` words, ``lanes`` x W data bytes)."""
+        W = word_bytes(config)
+        return cls(addr_bits_for(config.sram_bytes, W) - exact_log2(lanes), W * lanes)
+
 
 class StackedSRAM(wiring.Component):
     """Banked stacked SRAM with ``n_ports`` request ports and a backdoor.
@@ -142,7 +149,7 @@ class StackedSRAM(wiring.Component):
         if narrow:
             pmembers = {"ports": In(sig).array(n_ports)}
         else:        # differing widths: one member per port, ``ports`` lists them
-            pmembers = {f"port{p}": In(SRAMPortSignature(self.addr_bits - exact_log2(v), self.wbytes * v))
+            pmembers = {f"port{p}": In(SRAMPortSignature.of(config, v))
                         for p, v in enumerate(lanes)}
         super().__init__({
             **pmembers,
