@@ -31,7 +31,7 @@ X_SEED    ?=
 CAUSAL_FLAG := $(if $(filter 1 yes true,$(CAUSAL)),--causal,--no-causal)
 WAVES_FLAG  := $(if $(filter 1 yes true,$(WAVES)),--waves build/waves/sim.vcd,)
 
-.PHONY: help venv lint sim test test-all verilog fpga waves decode bench regress clean
+.PHONY: help venv lint sim test test-all verilog fpga depth waves decode bench regress clean
 
 help:
 	@echo "make sim      RTL simulation of an attention job, checked against the golden model"
@@ -40,6 +40,7 @@ help:
 	@echo "make test-all every test, including the slow ones"
 	@echo "make verilog  Verilog of the NPU (ROWS= COLS=)"
 	@echo "make fpga     synthesis and place-and-route report"
+	@echo "make depth    logic depth (gate levels) of every block: results/depth.md"
 	@echo "make waves    list the signals of the last WAVES=1 run"
 	@echo "make decode   LLM decode through the NPU (PROMPT= MAX_NEW_TOKENS= DECODE_BACKEND=golden|rtl ROWS= COLS=)"
 	@echo "make bench    performance and energy report into results/"
@@ -74,6 +75,9 @@ verilog: $(STAMP)
 
 fpga: $(STAMP)
 	$(BIN)/flashnpu fpga --auto --top $(or $(TOP),core) $(if $(BOARD),--board $(BOARD),) --generic $(ROWS)x$(COLS) --out results
+
+depth: $(STAMP)
+	$(BIN)/flashnpu depth --rows $(ROWS) --cols $(COLS) --out results
 
 waves: $(STAMP)
 	$(BIN)/flashnpu waves build/waves/sim.vcd

@@ -59,8 +59,8 @@ from .fpu import Recip
 from .pe import Pe, RegMap, _bits, ctl_layout
 from .reduce import ReduceNode, RowReduce
 
-__all__ = ["PeRow", "PeArray", "module_texts", "PE_MODULE", "NODE_MODULE", "RECIP_MODULE",
-           "ROW_MODULE"]
+__all__ = ["PeRow", "PeArray", "module_texts", "flat_row", "FLAT_SUFFIX", "PE_MODULE", "NODE_MODULE",
+           "RECIP_MODULE", "ROW_MODULE"]
 
 PE_MODULE = "flashnpu_pe"
 NODE_MODULE = "flashnpu_rnode"
@@ -94,6 +94,39 @@ def module_texts(config: NPUConfig) -> str:
                              (Recip(), RECIP_MODULE, "no_inline_module")):
         texts.append(_with_meta(verilog.convert(comp, name=name, emit_src=False), name, meta))
     return "\n".join(texts)
+
+
+#: module-name suffix of the flat copies that ``flat_row`` adds
+FLAT_SUFFIX = "_flat"
+
+
+def flat_row(text: str, row: int) -> str:
+    """``text`` (a design with ``module_texts`` appended) with PE row ``row``
+    built from plain copies of the row, PE and tree-node modules: no
+    ``hier_block``, so a ``--hierarchical`` Verilator build keeps that row in
+    the top model, where its trace sees every register file, MAC, softmax
+    unit and tree node.  The other rows stay hierarchical blocks; instance
+    paths do not change.
+
+    Raises
+    ------
+    ValueError
+        when the design has no instance ``row<row>`` of the PE-row module.
+    """
+    inst = f"  {ROW_MODULE} row{row} ("
+    if text.count(inst) != 1:
+        raise ValueError(f"no PE row instance row{row} in the design")
+    copies = []
+    for name in (ROW_MODULE, PE_MODULE, NODE_MODULE):
+        head = f"module {name}("
+        i = text.index(head)
+        j = text.index("\nendmodule", i) + len("\nendmodule")
+        body = text[i:j].replace(head, f"module {name}{FLAT_SUFFIX}(", 1)
+        body = body.replace("  /* verilator hier_block */\n", "")
+        for child in (PE_MODULE, NODE_MODULE):
+            body = body.replace(f"  {child} ", f"  {child}{FLAT_SUFFIX} ")
+        copies.append(body)
+    return text.replace(inst, f"  {ROW_MODULE}{FLAT_SUFFIX} row{row} (") + "\n" + "\n".join(copies) + "\n"
 
 
 class PeRow(wiring.Component):

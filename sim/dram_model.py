@@ -12,7 +12,10 @@ amaranth.sim testbenches (:meth:`DRAMModel.amaranth_server`) and one for
 cocotb (:meth:`DRAMModel.cocotb_server`).  Both apply writes and answer reads
 one cycle after the request is visible, in order; optionally with random
 extra delay (``max_extra_delay``) to exercise the RTL's buffering — the total
-must stay below the modelled latency or the RTL flags ``late``.
+must stay below the modelled latency or the RTL flags ``late``.  Verilator
+builds of the NPU serve the bus without Python (``sim/dram_hook.cpp``, the
+same timing without extra delay); the model then keeps its bytes in that
+code's buffer (``buffer=``), so the backdoor sees what the simulation wrote.
 
 ``copy2d`` is the reference semantics of one DMA descriptor on two byte
 stores, used by scoreboards.
@@ -41,24 +44,35 @@ def bytes_to_word(b) -> int:
 
 
 class ByteStore:
-    """Sparse byte-addressed store of 4 KiB pages.
+    """Byte-addressed store: sparse 4 KiB pages, or one flat buffer.
 
     Parameters
     ----------
     size : int
         Address space in bytes.
+    buffer : numpy uint8 array of ``size`` bytes, optional
+        Keep the bytes here instead of in pages (the simulator's own DRAM
+        storage, ``sim/dram_hook.cpp``, shared through ctypes); it is
+        cleared to zero, as a new sparse store reads.
 
     Raises
     ------
     IndexError
         On an access outside ``[0, size)``.
+    ValueError
+        A size that is not a positive int, or a buffer of another size.
     """
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, buffer: np.ndarray | None = None):
         if not isinstance(size, int) or size <= 0:
             raise ValueError(f"size must be a positive int, not {size!r}")
         self.size = size
         self.pages: dict[int, np.ndarray] = {}
+        self.flat = buffer
+        if buffer is not None:
+            if buffer.dtype != np.uint8 or buffer.size != size:
+                raise ValueError(f"buffer must be {size} uint8 bytes, not {buffer.size} {buffer.dtype}")
+            buffer[:] = 0
 
     def _check(self, addr: int, n: int):
         if addr < 0 or n < 0 or addr + n > self.size:
@@ -67,6 +81,8 @@ class ByteStore:
     def read(self, addr: int, n: int) -> bytes:
         """``n`` bytes from ``addr`` (zeros where never written)."""
         self._check(addr, n)
+        if self.flat is not None:
+            return self.flat[addr:addr + n].tobytes()
         out = bytearray(n)
         pos = 0
         while pos < n:
@@ -84,6 +100,14 @@ class ByteStore:
         data = bytes(data)
         n = len(data)
         self._check(addr, n)
+        if self.flat is not None:
+            chunk = np.frombuffer(data, np.uint8)
+            if mask is None:
+                self.flat[addr:addr + n] = chunk
+            else:
+                msk = np.asarray(mask, bool)
+                self.flat[addr:addr + n][msk] = chunk[msk]
+            return
         pos = 0
         while pos < n:
             a = addr + pos
@@ -113,10 +137,12 @@ class DRAMModel(ByteStore):
     max_extra_delay : int
         Extra cycles (uniform 0..max) added to read answers; keep
         ``2 + max_extra_delay < dram_latency_cycles``.
+    buffer : numpy uint8 array, optional
+        Flat storage (see ``ByteStore``).
     """
 
-    def __init__(self, config, seed=None, max_extra_delay: int = 0):
-        super().__init__(config.dram_bytes)
+    def __init__(self, config, seed=None, max_extra_delay: int = 0, buffer: np.ndarray | None = None):
+        super().__init__(config.dram_bytes, buffer)
         self.wbytes = config.dram_channel_bytes
         self.rng = random.Random(seed)
         self.max_extra_delay = max_extra_delay

@@ -45,6 +45,7 @@ import numpy as np
 from flashnpu.config import NPUConfig
 from flashnpu.errors import UsageError
 from flashnpu.golden import numerics as nx
+from flashnpu.hdl.array import flat_row
 from flashnpu.hdl.mem_common import word_bytes
 from flashnpu.hdl.npu import NPU, NPU_MODULE, NPUError, npu_verilog, register_map, sim_config
 from flashnpu.sim import runner
@@ -54,6 +55,7 @@ __all__ = ["plan_job", "build_npu", "run_jobs", "NPUSession", "run", "O_SENTINEL
 
 O_SENTINEL = 0xA5          # byte pattern the host writes over the O region before a job
 DEFAULT_WAVE_CYCLES = 4000     # --waves without --wave-window dumps cycles [0, 4000)
+WAVE_ROW = 0                   # the PE row a Verilator model with waves keeps flat (traced)
 DEFAULT_WAVE_DEPTH = 2         # --waves without --wave-depth: the top and its children
 
 
@@ -135,18 +137,47 @@ def plan_job(case, config: NPUConfig, base: int = 0x1000, overrides: dict | None
                 o_extent=(oa, oa + o_bytes))
 
 
+#: arrays of at least this many PEs get a two-thread Verilator model (measured
+#: on the 32 x 32 replay, idle 2-core machine: 1,293 -> 1,989 cycles/s); the
+#: small ones stay single-threaded, so two pytest workers do not oversubscribe
+THREADED_PES = 256
+
+
+def verilator_args(config: NPUConfig, hierarchical: bool = True) -> list[str]:
+    """The NPU's Verilator build choices at ``config``'s size: hierarchical
+    blocks (PE rows, PEs, tree nodes compiled once each), ``-O2`` instead of
+    Verilator's default ``-Os`` for the C++ (+6 % at 32 x 32), and two threads
+    from ``THREADED_PES`` PEs up.  Measurements: README, "Simulator speed"."""
+    threads = 2 if config.array_rows * config.array_cols >= THREADED_PES else 1
+    return ((["--hierarchical"] if hierarchical else []) + ["--threads", str(threads)]
+            + ["-CFLAGS", "-O2"])
+
+
 def build_npu(config: NPUConfig, sim: str = "verilator", waves=False, quiet: bool = False,
-              x_random: bool = False):
+              x_random: bool = False, hierarchical: bool = True):
     """Build (or reuse) the NPU model for ``sim_config(config)``; returns the runner's handle.
     ``quiet``: the simulator build's output goes to ``build.log`` in the build folder;
-    ``x_random``: a Verilator model with random power-up values (``runner.build``)."""
+    ``x_random``: a Verilator model with random power-up values (``runner.build``);
+    ``hierarchical``: Verilator builds the PE rows, PEs and tree nodes as
+    hierarchical blocks (default; a model with waves keeps PE row
+    ``WAVE_ROW`` out of them) or, False, everything flat (slower to build:
+    14 min against 1.5 min for the 32 x 32 NPU, measured)."""
     scfg = sim_config(config)
+    # Verilator traces only the top model of a --hierarchical build: a model
+    # with waves keeps PE row WAVE_ROW out of the hierarchical blocks, so the
+    # waves see inside one full row (register files, MACs, softmax, tree)
+    hier = hierarchical and sim == "verilator"
+    flat = bool(waves) and hier
+
+    def text(top):
+        v = npu_verilog(scfg, top=top)
+        return flat_row(v, WAVE_ROW) if flat else v
     return runner.build(lambda: NPU(scfg, pe_as_instance=True), scfg, NPU_MODULE, sim=sim,
-                        waves=waves, key="npu",
-                        verilog_text=lambda top: npu_verilog(scfg, top=top),
+                        waves=waves, key=f"npu-flat-row{WAVE_ROW}" if flat else "npu", verilog_text=text,
                         meta={"regmap": register_map(scfg).to_dict()},
-                        build_args=["--hierarchical"] if sim == "verilator" else None, quiet=quiet,
-                        x_random=x_random)
+                        build_args=verilator_args(scfg, hier) if sim == "verilator" else None, quiet=quiet,
+                        x_random=x_random, dram_word=word_bytes(scfg),
+                        traced=f"the top model and PE row {WAVE_ROW}" if flat else None)
 
 
 def _timeout(case, config: NPUConfig) -> int:
@@ -209,7 +240,7 @@ def _log_tail(log: Path, n: int = 3000) -> str:
 
 
 def run_jobs(jobs, config: NPUConfig, sim: str = "verilator", waves=None, seed: int = 0,
-             workdir=None, quiet: bool = True, x_seed: int | None = None) -> list:
+             workdir=None, quiet: bool = True, x_seed: int | None = None, hierarchical: bool = True) -> list:
     """Run several jobs in one cocotb session on one NPU build (batch mode).
 
     ``jobs``: list of dicts with ``case`` (AttentionCase) and optional
@@ -224,7 +255,8 @@ def run_jobs(jobs, config: NPUConfig, sim: str = "verilator", waves=None, seed: 
     ``sim/cocotb_npu.py``).  Returns one
     dict per job: ``o`` (float32 [heads, seq_q, head_dim]), ``error``
     (NPUError int), ``dma_code``, ``o_untouched`` (bool: the O region still
-    holds the sentinel), ``counters`` (dict), ``wall_s``, ``build`` info,
+    holds the sentinel), ``counters`` (dict), ``wall_s`` (seconds from the start command to
+    done), ``build`` info,
     ``tsv`` (links' status and repair maps, jobs with ``tsv_fault`` only) and
     ``reg_check`` (the offending register read, error REG_UNWRITTEN only)
     ``kv_check`` (the stale K/V tile, error KV_STALE only) and ``s_check``
@@ -233,7 +265,8 @@ def run_jobs(jobs, config: NPUConfig, sim: str = "verilator", waves=None, seed: 
     ``quiet``: cocotb's output goes to ``cocotb.log`` in the work folder
     (its tail is shown when a run fails).  ``x_seed`` (Verilator): every
     register and memory word powers up random from this seed instead of 0
-    (a separate build); results must not change.  Every job is known up front; a
+    (a separate build); results must not change.  ``hierarchical``: see
+    ``build_npu``.  Every job is known up front; a
     caller that makes jobs one at a time (the driver) uses ``NPUSession``.
 
     Raises
@@ -243,7 +276,7 @@ def run_jobs(jobs, config: NPUConfig, sim: str = "verilator", waves=None, seed: 
         the message ends with the tail of the log.
     """
     wopts = waves if isinstance(waves, WaveOptions) else bool(waves)
-    h = build_npu(config, sim=sim, waves=wopts, x_random=x_seed is not None)
+    h = build_npu(config, sim=sim, waves=wopts, x_random=x_seed is not None, hierarchical=hierarchical)
     tmp = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="flashnpu-npu-"))
     tmp.mkdir(parents=True, exist_ok=True)
     specs = [_job_spec(job, str(i), tmp, config, seed + i) for i, job in enumerate(jobs)]
@@ -530,9 +563,12 @@ def wave_options(args) -> WaveOptions | None:
         return None
     # defaults: the first DEFAULT_WAVE_CYCLES cycles, the top level and its
     # children (controller, loader and O writer live in the top module; core
-    # and memory-system ports one level down) -- a full-depth dump of the
-    # 32 x 32 array costs hundreds of KB per cycle
+    # and memory-system ports one level down), and PE row WAVE_ROW with its
+    # PEs and tree nodes (register files, MAC and softmax operands, T, the
+    # row's reductions) -- a full-depth dump of the 32 x 32 array costs
+    # hundreds of KB per cycle
     start, end = 0, DEFAULT_WAVE_CYCLES
+    scope = () if depth is not None else (NPU_MODULE, f"core.array.row{WAVE_ROW}")
     if win:
         a, colon, b = str(win).partition(":")
         try:
@@ -544,7 +580,7 @@ def wave_options(args) -> WaveOptions | None:
             raise UsageError(f"--wave-window must be START:END in cycles (either may be empty), not {win!r}")
     try:
         return WaveOptions(wfile, start=start, end=end, depth=DEFAULT_WAVE_DEPTH if depth is None else depth,
-                           unit="cycle", clock_period_ns=1.0)
+                           scope=scope, unit="cycle", clock_period_ns=1.0)
     except ValueError as e:
         raise UsageError(f"--waves: {e}") from None
 

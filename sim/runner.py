@@ -25,6 +25,12 @@ lives in one place:
   ``flashnpu_waves`` with ``$dumpvars``/``$dumpoff``.  ``run_cocotb(...,
   waves=...)`` picks another window (and, under Verilator, scope) for the
   same build, or ``waves=False`` to run it without dumping.
+* DRAM storage (``build(dram_word=W)``, the NPU's Verilator builds): the
+  bytes live in ``sim/dram_hook.cpp``, stepped from cocotb's Verilator main
+  loop after every time step, so the backend bus costs no Python per cycle;
+  the testbench maps the same bytes with ctypes (symbols exported with
+  ``-rdynamic``) and falls back to its Python server for random response
+  delays.
 * Initial values: Verilator builds start every variable at 0
   (``--x-initial fast``) unless ``build(..., x_random=True)``: then
   ``--x-initial unique --x-assign unique``, and ``run_cocotb(...,
@@ -63,6 +69,8 @@ BUILD_ROOT = Path(os.environ.get("FLASHNPU_BUILD", ROOT / "build"))
 # ``operator new`` (Verilator's hier_block wrapper leaves a counter
 # uninitialised; see the file).
 HIER_NEW_CPP = Path(__file__).resolve().parent / "vl_zero_new.cpp"
+# The DRAM storage served from the Verilator main loop (``build(dram_word=)``).
+DRAM_HOOK_CPP = Path(__file__).resolve().parent / "dram_hook.cpp"
 
 # Verilator warnings that Amaranth's generated Verilog triggers by design --
 # the one documented list, used by every simulator build here and by
@@ -150,6 +158,16 @@ def _source_digest() -> str:
 
 _SOURCE_DIGEST: str | None = None
 
+
+def source_digest() -> str:
+    """Digest of everything that shapes a generated design (``hdl/``,
+    ``golden/``, the configuration code), computed once per process: part
+    of every build key."""
+    global _SOURCE_DIGEST
+    if _SOURCE_DIGEST is None:
+        _SOURCE_DIGEST = _source_digest()
+    return _SOURCE_DIGEST
+
 # Yosys' ``write_verilog`` makes every ``always @*`` block run once at time 0
 # through a dummy trigger: ``reg \$auto$verilog_backend...$1 = 0;`` read by an
 # empty ``if`` in each block.  That relies on Verilog-2001 semantics, where a
@@ -177,6 +195,31 @@ def icarus_verilog(text: str) -> str:
     text = _YOSYS_TRIGGER.sub(lambda mo: f"{mo.group(1)}reg {mo.group(2)};\n"
                                          f"{mo.group(1)}initial #0 {mo.group(2)}= 1'h0;", text)
     return _CONST_PROCESS.sub(lambda mo: f"{mo.group(1)}initial {mo.group(2)} = {mo.group(3)};", text)
+
+
+# Where ``_dram_hook_main`` hooks the DRAM storage into cocotb's Verilator main.
+_DRAM_HOOK_PATCHES = [
+    ('#include "verilated_vpi.h"\n', '#include "verilated_vpi.h"\n#include "dram_hook.cpp"\n'),
+    ("        top->eval_end_step();\n", "        top->eval_end_step();\n        flashnpu_dram_step(top.get());\n"),
+]
+
+
+def _dram_hook_main(out_dir: Path, main_cpp: Path | None) -> Path:
+    """cocotb's Verilator main (or ``main_cpp``, already patched for windowed
+    waves) with the DRAM storage of ``dram_hook.cpp`` stepped after every
+    time step's evaluation; returns the written file."""
+    # deferred: cocotb_tools is only needed when a simulator is built
+    import cocotb_tools.config
+    src = main_cpp or Path(cocotb_tools.config.share_dir) / "lib" / "verilator" / "verilator.cpp"
+    text = src.read_text()
+    for old, new in _DRAM_HOOK_PATCHES:
+        if text.count(old) != 1:
+            raise RuntimeError(f"cannot hook the DRAM into {src} (cocotb changed?): {old.strip()!r} not found once")
+        text = text.replace(old, new)
+    out = Path(out_dir) / "flashnpu_main.cpp"
+    out.write_text("// cocotb's verilator.cpp (BSD-3-Clause, Copyright cocotb contributors),\n"
+                   "// with flashnpu's DRAM storage (sim/dram_hook.cpp) in the main loop.\n" + text)
+    return out
 
 
 def _get_runner(sim: str, main_cpp: Path | None = None, vvp_format: str | None = None):
@@ -238,7 +281,8 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
           waves: bool | WaveOptions = False, key: str = "",
           verilog_text: Callable[[object], str] | None = None,
           meta: dict | None = None, build_args: list[str] | None = None,
-          quiet: bool = False, x_random: bool = False) -> BuildHandle:
+          quiet: bool = False, x_random: bool = False, dram_word: int | None = None,
+          traced: str | None = None) -> BuildHandle:
     """Generate Verilog for ``top_factory()`` and build it once per configuration.
 
     Parameters
@@ -264,6 +308,15 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
     x_random : bool
         Verilator: power-up values and X assignments random per run
         (``run_cocotb``'s ``x_seed``) instead of 0; ignored by Icarus.
+    dram_word : int, optional
+        Verilator: link the DRAM storage of ``sim/dram_hook.cpp`` (words of
+        this many bytes) into the simulator's main loop, so the top's
+        ``bk__`` backend bus is served without Python (the testbench maps
+        the storage with ctypes); ignored by Icarus.
+    traced : str, optional
+        What a ``--hierarchical`` build with waves traces, when the caller
+        kept modules out of the hierarchical blocks for it (e.g. one PE
+        row); without it such a build warns that the blocks are not traced.
 
     Returns
     -------
@@ -276,14 +329,13 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
     installed, or (``quiet``) when the build fails (the message names the
     log).
     """
-    global _SOURCE_DIGEST
     windowed = isinstance(waves, WaveOptions)
     if windowed and waves.fmt == "fst" and sim == "verilator":
         if not fst_supported(sim):
             raise ValueError(f"FST waves {str(waves.path)!r} under Verilator need the lz4 headers "
                              "(apt-get install liblz4-dev); dump .vcd instead")
     hier = sim == "verilator" and "--hierarchical" in (build_args or [])
-    if windowed and hier:
+    if windowed and hier and not traced:
         # Verilator 5.048 traces only the top model: nothing inside a hier_block
         # (measured on the core: its PE rows came out as empty scopes)
         warnings.warn(f"{name}: --hierarchical build, so signals inside hier_block modules are "
@@ -293,8 +345,6 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
         raise RuntimeError(f"simulator {sim!r} is not installed"
                            + ("; install Icarus with `apt-get install iverilog`" if sim == "icarus" else ""))
     setup_simulator_env()
-    if _SOURCE_DIGEST is None:
-        _SOURCE_DIGEST = _source_digest()
     cfg_json = config.to_json() if config is not None else "{}"
     x_random = bool(x_random) and sim == "verilator"
     x_args = ["--x-assign", "unique", "--x-initial", "unique"] if x_random else \
@@ -303,7 +353,10 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
     simkey = [_ICARUS_TEXT_VERSION] if sim == "icarus" else []
     if hier:
         simkey.append(hashlib.sha256(HIER_NEW_CPP.read_bytes()).hexdigest())
-    digest = hashlib.sha256("\n".join([cfg_json, key, wkey, _SOURCE_DIGEST, *simkey,
+    dram_word = dram_word if sim == "verilator" else None
+    if dram_word:
+        simkey += [f"dram_word={dram_word}", hashlib.sha256(DRAM_HOOK_CPP.read_bytes()).hexdigest()]
+    digest = hashlib.sha256("\n".join([cfg_json, key, wkey, source_digest(), *simkey,
                                        " ".join((build_args or []) + x_args)]).encode()).hexdigest()[:12]
     bdir = BUILD_ROOT / "sim" / f"{name}-{sim}-{digest}"
     bdir.mkdir(parents=True, exist_ok=True)
@@ -337,6 +390,10 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
                         (bdir / "flashnpu_waves.v").write_text(wv.icarus_hook(waves, name))
                         sources.append(bdir / "flashnpu_waves.v")
                         args += ["-s", wv.HOOK_MODULE]
+                if dram_word:
+                    main_cpp = _dram_hook_main(bdir, main_cpp)
+                    args += ["-CFLAGS", f"-DFLASHNPU_WORD_BYTES={dram_word} -I{DRAM_HOOK_CPP.parent}",
+                             "-LDFLAGS", "-rdynamic"]
                 runner = _get_runner(sim, main_cpp=main_cpp)
                 if sim == "verilator":
                     vlt = bdir / "public.vlt"
