@@ -249,6 +249,17 @@ class _Stages:
         return SimpleNamespace(**out)
 
 
+class _Pipelined(wiring.Component):
+    """A unit whose ``latency`` (cycles, default 0) picks one of its ``PLANS``
+    (see ``_Stages``); subclasses name their ``BOUNDARIES`` and ``PLANS`` and
+    declare their ports as class annotations."""
+
+    def __init__(self, latency: int = 0):
+        self.latency = latency
+        self._stages = _Stages(self, latency)
+        super().__init__()
+
+
 class _Unpacked32:
     """Named fields of a binary32 operand, DAZ applied.
 
@@ -282,7 +293,7 @@ class _Unpacked32:
 
 
 # ---------------------------------------------------------------- add / sub
-class Fp32AddSub(wiring.Component):
+class Fp32AddSub(_Pipelined):
     """binary32 adder/subtractor, RNE, DAZ/FTZ (``latency`` cycles, default 0).
 
     Bit-exact with ``numerics.add32`` (``sub = 0``) and ``numerics.sub32``
@@ -327,11 +338,6 @@ class Fp32AddSub(wiring.Component):
     #: the normalising shift
     BOUNDARIES = ("swap", "add", "norm")
     PLANS = {0: (), 1: ("add",), 2: ("swap", "norm"), 3: ("swap", "add", "norm")}
-
-    def __init__(self, latency: int = 0):
-        self.latency = latency
-        self._stages = _Stages(self, latency)
-        super().__init__()
 
     def elaborate(self, platform):
         m = Module()
@@ -434,7 +440,7 @@ class Fp32AddSub(wiring.Component):
 
 
 # ---------------------------------------------------------------- multiply
-class Fp32Mul(wiring.Component):
+class Fp32Mul(_Pipelined):
     """binary32 multiplier, RNE, DAZ, FTZ decided on the exact product
     (``latency`` cycles, default 0).
 
@@ -474,11 +480,6 @@ class Fp32Mul(wiring.Component):
     #: the full product
     BOUNDARIES = ("partial", "product")
     PLANS = {0: (), 1: ("product",), 2: ("partial", "product")}
-
-    def __init__(self, latency: int = 0):
-        self.latency = latency
-        self._stages = _Stages(self, latency)
-        super().__init__()
 
     def elaborate(self, platform):
         m = Module()
@@ -530,7 +531,7 @@ class Fp32Mul(wiring.Component):
 
 
 # ---------------------------------------------------------------- FP16 MAC
-class Fp16Mac(wiring.Component):
+class Fp16Mac(_Pipelined):
     """FP16 x FP16 -> FP32 multiply-accumulate, one rounding (``latency`` cycles).
 
     Bit-exact with ``numerics.mac``: ``add32(acc, fp16(a) * fp16(b))`` with
@@ -583,19 +584,15 @@ class Fp16Mac(wiring.Component):
              4: ("product",) + Fp32AddSub.PLANS[3], 5: ("mult", "product") + Fp32AddSub.PLANS[3]}
 
     def __init__(self, latency: int = 0):
-        self.latency = latency
-        self._stages = _Stages(self, latency)
-        cuts = self._stages.cuts
+        super().__init__(latency)
         #: cycles after ``a``/``b`` in which ``acc`` is read: the accumulator
         #: enters at the adder, so the accumulation recurrence is the adder's
         #: latency, not the MAC's
-        self.acc_delay = len(cuts & {"mult", "product"})
-        self._adder_latency = self.latency - self.acc_delay
-        super().__init__()
+        self.acc_delay = len(self._stages.cuts & {"mult", "product"})
 
     def elaborate(self, platform):
         m = Module()
-        m.submodules.adder = adder = Fp32AddSub(self._adder_latency)
+        m.submodules.adder = adder = Fp32AddSub(self.latency - self.acc_delay)
 
         def unpack16(bits, name):
             exp = bits[10:15]
@@ -701,7 +698,7 @@ _EXP2_BASE_BITS = 24
 _EXP2_SLOPE_BITS = max(_EXP2_SLOPES).bit_length()          # 16
 
 
-class Exp2(wiring.Component):
+class Exp2(_Pipelined):
     """2^x for x <= 0 by table lookup and linear interpolation (``latency`` cycles).
 
     Bit-exact with ``numerics.exp2_bits``.  Measured error vs float64 2^x on
@@ -747,11 +744,6 @@ class Exp2(wiring.Component):
     #: register boundaries: after the table read, after the slope multiply
     BOUNDARIES = ("lookup", "interp")
     PLANS = {0: (), 1: ("lookup",), 2: ("lookup", "interp")}
-
-    def __init__(self, latency: int = 0):
-        self.latency = latency
-        self._stages = _Stages(self, latency)
-        super().__init__()
 
     def elaborate(self, platform):
         m = Module()
@@ -832,7 +824,7 @@ class Exp2(wiring.Component):
 
 
 # ---------------------------------------------------------------- fp32 -> fp16
-class Fp32ToFp16(wiring.Component):
+class Fp32ToFp16(_Pipelined):
     """binary32 -> binary16 conversion, RNE, binary16 subnormals kept
     (``latency`` cycles, default 0).
 
@@ -872,11 +864,6 @@ class Fp32ToFp16(wiring.Component):
     #: register boundary: after the alignment shift
     BOUNDARIES = ("shift",)
     PLANS = {0: (), 1: ("shift",)}
-
-    def __init__(self, latency: int = 0):
-        self.latency = latency
-        self._stages = _Stages(self, latency)
-        super().__init__()
 
     def elaborate(self, platform):
         m = Module()

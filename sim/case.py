@@ -38,7 +38,8 @@ import numpy as np
 from flashnpu.config import NPUConfig
 from flashnpu.errors import UsageError
 from flashnpu.golden import numerics as nx
-from flashnpu.golden.reference import check_shapes, visible_mask
+from flashnpu.golden.compare import tolerance_check
+from flashnpu.golden.reference import check_shapes, plain_fp16_attention, reference_attention, visible_mask
 from flashnpu.paths import atomic_write, input_file
 from flashnpu.resources import check_memory
 
@@ -78,6 +79,20 @@ class AttentionCase:
     def kwargs(self) -> dict:
         """Keyword arguments for ``reference_attention`` / ``flash_attention_hw``."""
         return dict(causal=self.causal, mask=self.mask, kv_valid_len=self.kv_valid_len, scale=self.scale)
+
+    def float_rule(self, o):
+        """``golden.tolerance_check`` of output ``o`` against this case's
+        float64 reference and plain FP16 attention: (ok, message, stats,
+        plain stats).
+
+        Raises
+        ------
+        flashnpu.golden.ComparisonError
+            when ``o`` holds NaN or Inf, or has the wrong shape.
+        """
+        kw = self.kwargs()
+        return tolerance_check(o, plain_fp16_attention(self.q, self.k, self.v, **kw),
+                               reference_attention(self.q, self.k, self.v, **kw))
 
     def validate(self, config: NPUConfig) -> "AttentionCase":
         """Check dtypes, shapes, hardware limits and finiteness of visible data.

@@ -19,9 +19,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <deque>
 #include <fstream>
-#include <iostream>
 #include <memory>
 #include <sstream>
 #include <string>

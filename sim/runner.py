@@ -197,34 +197,42 @@ def icarus_verilog(text: str) -> str:
     return _CONST_PROCESS.sub(lambda mo: f"{mo.group(1)}initial {mo.group(2)} = {mo.group(3)};", text)
 
 
-# Where ``_dram_hook_main`` hooks the DRAM storage into cocotb's Verilator main.
+# Where the DRAM storage (``dram_hook.cpp``) is stepped in cocotb's Verilator main.
 _DRAM_HOOK_PATCHES = [
     ('#include "verilated_vpi.h"\n', '#include "verilated_vpi.h"\n#include "dram_hook.cpp"\n'),
     ("        top->eval_end_step();\n", "        top->eval_end_step();\n        flashnpu_dram_step(top.get());\n"),
 ]
 
 
-def _dram_hook_main(out_dir: Path, main_cpp: Path | None) -> Path:
-    """cocotb's Verilator main (or ``main_cpp``, already patched for windowed
-    waves) with the DRAM storage of ``dram_hook.cpp`` stepped after every
-    time step's evaluation; returns the written file."""
+def _cocotb_main(out_dir: Path, patches: dict[str, list]) -> Path:
+    """Write cocotb's Verilator ``verilator.cpp`` with every patch set of
+    ``patches`` (purpose -> [(old, new), ...]) applied into ``out_dir``;
+    return its path.
+
+    Raises
+    ------
+    RuntimeError
+        When the installed cocotb's main no longer has a patched line once.
+    """
     # deferred: cocotb_tools is only needed when a simulator is built
     import cocotb_tools.config
-    src = main_cpp or Path(cocotb_tools.config.share_dir) / "lib" / "verilator" / "verilator.cpp"
+    src = Path(cocotb_tools.config.share_dir) / "lib" / "verilator" / "verilator.cpp"
     text = src.read_text()
-    for old, new in _DRAM_HOOK_PATCHES:
-        if text.count(old) != 1:
-            raise RuntimeError(f"cannot hook the DRAM into {src} (cocotb changed?): {old.strip()!r} not found once")
-        text = text.replace(old, new)
+    for purpose, pairs in patches.items():
+        for old, new in pairs:
+            if text.count(old) != 1:
+                raise RuntimeError(f"cannot patch {src} for {purpose} (cocotb changed?): "
+                                   f"{old.strip().splitlines()[0]!r} not found once")
+            text = text.replace(old, new)
     out = Path(out_dir) / "flashnpu_main.cpp"
     out.write_text("// cocotb's verilator.cpp (BSD-3-Clause, Copyright cocotb contributors),\n"
-                   "// with flashnpu's DRAM storage (sim/dram_hook.cpp) in the main loop.\n" + text)
+                   f"// patched by flashnpu sim/runner.py for {', '.join(patches)}.\n" + text)
     return out
 
 
 def _get_runner(sim: str, main_cpp: Path | None = None, vvp_format: str | None = None):
     """cocotb runner for ``sim``; ``main_cpp`` replaces cocotb's Verilator
-    main (windowed waves), ``vvp_format`` ('vcd'/'fst') lets Icarus'
+    main (a patched copy, ``_cocotb_main``), ``vvp_format`` ('vcd'/'fst') lets Icarus'
     ``$dumpvars`` write although cocotb's own waves are off."""
     # deferred: cocotb_tools is only needed when a simulator runs
     from cocotb_tools import runner as cr
@@ -380,21 +388,21 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
                 t1 = time.time()
                 sources = [vfile]
                 args = list(build_args or [])
-                main_cpp = None
+                patches = {}
                 if windowed:
                     wv.check_scopes(waves, text, name)
                     if sim == "verilator":
-                        main_cpp = wv.verilator_main(bdir)
+                        patches["windowed, scoped tracing"] = wv.VL_PATCHES
                         args += ["--trace-fst"] if waves.fmt == "fst" else []
                     else:
                         (bdir / "flashnpu_waves.v").write_text(wv.icarus_hook(waves, name))
                         sources.append(bdir / "flashnpu_waves.v")
                         args += ["-s", wv.HOOK_MODULE]
                 if dram_word:
-                    main_cpp = _dram_hook_main(bdir, main_cpp)
+                    patches["the DRAM storage in the main loop"] = _DRAM_HOOK_PATCHES
                     args += ["-CFLAGS", f"-DFLASHNPU_WORD_BYTES={dram_word} -I{DRAM_HOOK_CPP.parent}",
                              "-LDFLAGS", "-rdynamic"]
-                runner = _get_runner(sim, main_cpp=main_cpp)
+                runner = _get_runner(sim, main_cpp=_cocotb_main(bdir, patches) if patches else None)
                 if sim == "verilator":
                     vlt = bdir / "public.vlt"
                     vlt.write_text("`verilator_config\n"

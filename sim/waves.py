@@ -17,7 +17,7 @@ them all:
 
 * **Verilator**: the model is built with ``--trace`` (``--trace-fst`` for
   FST) and linked with cocotb's own ``verilator.cpp`` main loop, patched in
-  three places (:func:`verilator_main`): when ``+flashnpu_waves_file=`` is
+  three places (``VL_PATCHES``, applied by ``runner.build``): when ``+flashnpu_waves_file=`` is
   given, it opens the trace with ``dumpvars(depth, scope)`` filters for each
   scope, calls ``dump()`` only for time steps inside ``[start, end]`` and
   closes the file once time passes ``end``.  Window, depth *and* scope are
@@ -80,7 +80,7 @@ from flashnpu.argtypes import float_in, nonneg_int, positive_float
 from flashnpu.errors import UsageError
 from flashnpu.paths import output_file, write_text
 
-__all__ = ["WaveOptions", "hierarchy_scopes", "check_scopes", "icarus_hook", "verilator_main",
+__all__ = ["WaveOptions", "hierarchy_scopes", "check_scopes", "icarus_hook", "VL_PATCHES",
            "fst_supported", "add_window_arguments", "options_from_args", "Waves", "write_gtkw",
            "DEFAULT_GROUPS", "register"]
 
@@ -333,7 +333,9 @@ static bool fw_in_window(verilated_trace_t *t, uint64_t now) {
 // ------------------------------------------------------------------------
 """
 
-_VL_PATCHES = [
+#: Where cocotb's Verilator main is patched for windowed, scoped tracing
+#: (applied by ``runner.build`` with its other patches).
+VL_PATCHES = [
     ("static verilated_trace_t *tfp;\n", "static verilated_trace_t *tfp;\n" + _VL_HELPERS),
     ("    if (traceOn) {\n        tfp = new verilated_trace_t;\n        top->trace(tfp, 99);\n"
      "        tfp->open(traceFile);\n",
@@ -343,30 +345,6 @@ _VL_PATCHES = [
     ("        if (tfp) {\n            tfp->dump(main_time);\n",
      "        if (tfp && fw_in_window(tfp, main_time)) {\n            tfp->dump(main_time);\n"),
 ]
-
-
-def verilator_main(out_dir: Path) -> Path:
-    """Write cocotb's ``verilator.cpp``, patched for windowed, scoped
-    tracing, into ``out_dir``; return its path.
-
-    Raises
-    ------
-    RuntimeError
-        When the installed cocotb's main no longer has the patched lines.
-    """
-    # deferred: cocotb_tools is only needed when a windowed Verilator build is made
-    import cocotb_tools.config
-    src = Path(cocotb_tools.config.share_dir) / "lib" / "verilator" / "verilator.cpp"
-    text = src.read_text()
-    for old, new in _VL_PATCHES:
-        if text.count(old) != 1:
-            raise RuntimeError(f"cannot patch {src} for windowed waves (cocotb changed?): "
-                               f"{old.strip().splitlines()[0]!r} not found once")
-        text = text.replace(old, new)
-    out = Path(out_dir) / "flashnpu_waves_main.cpp"
-    out.write_text("// cocotb's verilator.cpp (BSD-3-Clause, Copyright cocotb contributors),\n"
-                   "// patched by flashnpu sim/waves.py for windowed, scoped tracing.\n" + text)
-    return out
 
 
 # ---- command-line knobs for simulation commands -------------------------
