@@ -171,7 +171,8 @@ class PeRow(wiring.Component):
 
     @staticmethod
     def _node_instance(a, b, is_sum, o):
-        return Instance(NODE_MODULE, i_a=a, i_b=b, i_sum=is_sum, o_o=o)
+        return Instance(NODE_MODULE, i_clk=ClockSignal(), i_rst=ResetSignal(), i_a=a, i_b=b,
+                        i_sum=is_sum, o_o=o)
 
     def elaborate(self, platform):
         m = Module()
@@ -211,8 +212,11 @@ class PeRow(wiring.Component):
             m.d.sync += ret[rcp_tag].eq(ro)
         m.d.comb += [self.ev_tree.eq(tree.res_valid), self.ev_tree_tag.eq(tree.res_tag),
                      self.ev_rcp.eq(rdone), self.ev_rcp_tag.eq(rcp_tag)]
+        # the op's returned value, registered twice: it reaches the PEs in
+        # stage E2 (``pe.RET_STAGE``), from a flop, over the row-long wire
+        ret_sel1 = Signal.like(ctl.ret_sel)
         ret_sel = Signal(32)
-        m.d.comb += ret_sel.eq(ret[ctl.ret_sel])
+        m.d.sync += [ret_sel1.eq(ctl.ret_sel), ret_sel.eq(ret[ret_sel1])]
         # --- P broadcast: the psel column's synchronous read
         sds = Array([pe.sd for pe in pes])
         a16 = Signal(16)

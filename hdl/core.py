@@ -6,15 +6,16 @@ Design trade-off
 Phases run one after the other on the whole array (S = Q.K^T, softmax,
 O += P.V), which keeps one control word per cycle for all PEs.  The MAC
 phases cost head_dim*wr*wc and Bc*wr*od cycles (512 + 512 at head_dim 128 on
-the default 32 x 32 array); the softmax between them is a short, statically
-scheduled micro-program (~25 cycles, ``softmax_program``) because every PE
-only owns a 2 x 2 block of the score tile and the row reductions go through
-a log2(C)-level tree.  So the array is MAC-busy for > 95 % of a tile pair
-without overlapping the softmax of tile j with the MACs of tile j+1 — an
-overlap that would need a second score register set and a second control
-stream.  Masking is computed per PE from row and column indices, so causal
-and padded tiles cost no extra cycles; buffers are ping-ponged so the next
-K/V tile loads while this one computes.
+the default 32 x 32 array); the PE's MAC is pipelined (``pe.OP_TIMING``), so
+each k round must touch at least ``MAC_RECURRENCE`` (4) accumulators and a
+round with fewer (wr*od < 4 at small head_dim) is followed by bubbles
+(``gap_s``, ``gap_pv_cycles``).  The softmax between them is a statically
+scheduled micro-program (``softmax_program``, 89 cycles at 32 x 32: two
+trips through the 20-cycle pipelined row tree dominate) because every PE
+only owns a 2 x 2 block of the score tile; it is not yet overlapped with
+the MACs of the next kv tile.  Masking is computed per PE from row and
+column indices, so causal and padded tiles cost no extra cycles; buffers
+are ping-ponged so the next K/V tile loads while this one computes.
 
 ::
 
@@ -44,7 +45,10 @@ Where each box is built (``Core.elaborate`` composes them in this order):
 
 Pipeline: the sequencer *issues* a step in cycle t (tile-buffer and PE
 read addresses); the operands come out of synchronous reads in cycle t+1,
-when the control word (registered once) reaches the PEs.
+when the control word (registered once) reaches the PEs (their stage E0).
+The programs come in one variant per O-column count od (1..od_max), each
+scheduled for the PE pipeline, so a program never skips words at run time.
+A pause takes effect (``paused``) once the PEs' pipelines have drained.
 
 Command / status protocol (``CoreCmd``): the core waits for the Q buffer
 and, per kv tile j, for K/V half j % 2 (and the mask buffer when
@@ -85,12 +89,17 @@ from amaranth.lib.wiring import In, Out
 from flashnpu.config import NPUConfig
 
 from .array import PeArray, module_texts
-from .pe import PeOp, RegMap, TreeOp, _bits, ctl_layout
+from .fpu import Recip
+from .pe import MAC_RECURRENCE, OP_TIMING, PIPE_DEPTH, RF_READ_STAGE, PeOp, RegMap, TreeOp, _bits, ctl_layout
+from .reduce import tree_latency
+from .schedule import Inject as Injection
+from .schedule import Op, schedule
 from .tilebuf import BufSel, TileBuffers, _onehot, write_layout
 
 __all__ = ["BufSel", "Phase", "PausePoint", "Inject", "cmd_layout", "write_layout", "out_layout",
            "rom_layout", "init_program", "softmax_program", "final_program", "Core",
-           "core_verilog", "CORE_MODULE", "LEN_BITS", "RF_USE", "tile_registers", "register_name"]
+           "core_verilog", "CORE_MODULE", "LEN_BITS", "RF_USE", "tile_registers", "register_name",
+           "gap_s", "gap_pv_cycles"]
 
 CORE_MODULE = "flashnpu_core"
 
@@ -128,6 +137,8 @@ class Inject(enum.IntEnum):
     check; cycle counts stay those of a normal run until the check fires)."""
     SKIP_INIT = 0      # the INIT program's words issue as NOPs: m_i, l_i, O_acc unwritten
     DROP_S_WRITE = 1   # kv tile 1's first S step (k = a = b = 0) issues as a NOP: S(0, 0) unwritten
+    NO_GAP = 2         # the S loop issues no bubbles between k rounds: with fewer than
+                       # MAC_RECURRENCE accumulators a MAC reads a pending write
 
 
 #: Register-file use of each opcode: (reads ra, reads rb, writes wa).  MAC is
@@ -135,7 +146,7 @@ class Inject(enum.IntEnum):
 #: ``skipz`` (so then it does not count as a write).
 RF_USE = {
     PeOp.NOP: (0, 0, 0), PeOp.MAC: (1, 0, 1), PeOp.SCALE: (1, 0, 1), PeOp.MALPHA: (1, 0, 1),
-    PeOp.PEXP: (1, 0, 1), PeOp.MSET: (0, 0, 1), PeOp.LUPD: (1, 1, 1), PeOp.RESC: (1, 1, 1),
+    PeOp.PEXP: (1, 0, 1), PeOp.MSET: (0, 0, 1), PeOp.LADD: (1, 0, 1), PeOp.RESC: (1, 1, 1),
     PeOp.LOADT: (1, 0, 0), PeOp.FINAL: (1, 1, 1), PeOp.SETZ: (0, 0, 1), PeOp.SETNI: (0, 0, 1),
 }
 
@@ -197,93 +208,106 @@ def out_layout(config: NPUConfig) -> data.StructLayout:
 
 def rom_layout(config: NPUConfig) -> data.StructLayout:
     """A micro-program word: PE control, the (a, b) of SCALE ops (for the
-    visibility bits), ``n`` of an O-column op (``ocol``: words with
-    n >= od are skipped at run time), ``wait`` (stall until the return
-    register ``ctl.ret_sel`` holds a fresh result), ``pause`` (S pause
-    point) and ``last``."""
-    od = config.o_cols_per_pe(config.max_head_dim)
+    visibility bits), ``wait`` (stall until the return register
+    ``ctl.ret_sel`` holds a fresh result; a scheduled program never
+    stalls), ``pause`` (S pause point) and ``last``."""
     return data.StructLayout({
         "ctl": ctl_layout(config), "a": range(config.rows_per_pe), "b": range(config.cols_per_pe),
-        "n": range(od), "ocol": 1, "wait": 1, "pause": 1, "last": 1,
+        "wait": 1, "pause": 1, "last": 1,
     })
 
 
-def _word(op=PeOp.NOP, ra=0, rb=0, wa=0, first=0, ret_sel=0, tree=TreeOp.NONE, tag=0, rcp=0,
-          a=0, b=0, n=None, wait=0, pause=0):
-    return dict(ctl=dict(op=op, ra=ra, rb=rb, wa=wa, first=first, skipz=0, pv=0, ret_sel=ret_sel,
-                         tree=tree, tag=tag, rcp=rcp),
-                a=a, b=b, n=0 if n is None else n, ocol=int(n is not None), wait=wait,
-                pause=pause, last=0)
+def _schedule(config: NPUConfig, items) -> list:
+    return schedule(items, tree_latency(config.array_cols), Recip.LATENCY)
 
 
-def init_program(config: NPUConfig) -> list:
-    """m_i = -inf, l_i = 0, O_acc = 0 for every row of the PE."""
+def _od(config: NPUConfig, od):
+    odm = config.o_cols_per_pe(config.max_head_dim)
+    od = odm if od is None else od
+    if not 1 <= od <= odm:
+        raise ValueError(f"od (O columns per PE) must be in 1..{odm}, not {od!r}")
+    return od
+
+
+def init_program(config: NPUConfig, od: int | None = None) -> list:
+    """m_i = -inf, l_i = 0, O_acc = 0 for every row of the PE (``od`` O
+    columns, default the most), scheduled (``hdl/schedule.py``)."""
     g = RegMap(config)
-    prog = [_word(PeOp.SETNI, wa=g.M(a)) for a in range(g.wr)]
-    prog += [_word(PeOp.SETZ, wa=g.L(a)) for a in range(g.wr)]
-    prog += [_word(PeOp.SETZ, wa=g.O(a, n), n=n) for a in range(g.wr) for n in range(g.od)]
-    prog.append(_word())
-    prog[-1]["last"] = 1
-    return prog
+    od = _od(config, od)
+    items = [Op(PeOp.SETNI, wa=g.M(a)) for a in range(g.wr)]
+    items += [Op(PeOp.SETZ, wa=g.L(a)) for a in range(g.wr)]
+    items += [Op(PeOp.SETZ, wa=g.O(a, n)) for a in range(g.wr) for n in range(od)]
+    return _schedule(config, items)
 
 
-def softmax_program(config: NPUConfig) -> list:
-    """The softmax of one kv tile as a micro-program.
+def softmax_program(config: NPUConfig, od: int | None = None) -> list:
+    """The softmax of one kv tile as a scheduled micro-program.
 
-    Order: SCALE (+mask, +max fold into T) per row, each row's max injected
-    into the tree right after its fold; per row: MALPHA (waits for the row
-    max; m_new, alpha), PEXP per column (P in place, sum fold), MSET
-    (m_i = m_new, injects the row sum); RESC (O_acc *= alpha) for every O
-    column, which fills the tree latency; LUPD per row (waits for the row
-    sum).  Waits are resolved at run time by a scoreboard of the return
-    registers, so skipped O columns (n >= od) never shorten a wait.  The
-    word that injects the last row max carries the S pause point.
+    Program order (the scheduler moves ops earlier where the pipeline
+    allows): SCALE (+mask, +max fold into T) per row, each row's max
+    injected into the tree after its fold; per row: MALPHA (m_new, alpha;
+    reads the row max), PEXP per column (P in place, sum fold into T), MSET
+    (m_i = m_new) and the row sum's injection; RESC (O_acc *= alpha) for
+    each of the ``od`` O columns; per row l_i = alpha * l_i (RESC) and
+    l_i += row sum (LADD).  The injection of the last row max carries the S
+    pause point.
     """
     g = RegMap(config)
-    prog = []
-    pend = []
-
-    def emit(w):
-        if pend and w["ctl"]["tree"] == TreeOp.NONE and not w["wait"]:
-            tree, tag, pause = pend.pop(0)
-            w["ctl"]["tree"], w["ctl"]["tag"], w["pause"] = tree, tag, pause
-        prog.append(w)
-
+    od = _od(config, od)
+    items = []
     for a in range(g.wr):
         for b in range(g.wc):
-            emit(_word(PeOp.SCALE, ra=g.S(a, b), wa=g.S(a, b), first=int(b == 0), a=a, b=b))
-        pend.append((TreeOp.MAX, g.tag_max(a), int(a == g.wr - 1)))
-    while pend:
-        emit(_word())
+            items.append(Op(PeOp.SCALE, ra=g.S(a, b), wa=g.S(a, b), first=int(b == 0), a=a, b=b))
+        items.append(Injection(g.tag_max(a), tree=TreeOp.MAX, pause=int(a == g.wr - 1)))
     for a in range(g.wr):
-        emit(_word(PeOp.MALPHA, ra=g.M(a), wa=g.ALPHA(a), ret_sel=g.tag_max(a), wait=1))
+        items.append(Op(PeOp.MALPHA, ra=g.M(a), wa=g.ALPHA(a), ret_sel=g.tag_max(a)))
         for b in range(g.wc):
-            emit(_word(PeOp.PEXP, ra=g.S(a, b), wa=g.S(a, b), first=int(b == 0)))
-        emit(_word(PeOp.MSET, wa=g.M(a), tree=TreeOp.SUM, tag=g.tag_sum(a)))
+            items.append(Op(PeOp.PEXP, ra=g.S(a, b), wa=g.S(a, b), first=int(b == 0)))
+        items.append(Op(PeOp.MSET, wa=g.M(a)))
+        items.append(Injection(g.tag_sum(a), tree=TreeOp.SUM))
     for a in range(g.wr):
-        for n in range(g.od):
-            emit(_word(PeOp.RESC, ra=g.ALPHA(a), rb=g.O(a, n), wa=g.O(a, n), n=n))
+        for n in range(od):
+            items.append(Op(PeOp.RESC, ra=g.ALPHA(a), rb=g.O(a, n), wa=g.O(a, n)))
     for a in range(g.wr):
-        emit(_word(PeOp.LUPD, ra=g.ALPHA(a), rb=g.L(a), wa=g.L(a), ret_sel=g.tag_sum(a), wait=1))
-    prog[-1]["last"] = 1
-    return prog
+        items.append(Op(PeOp.RESC, ra=g.ALPHA(a), rb=g.L(a), wa=g.L(a)))
+        items.append(Op(PeOp.LADD, ra=g.L(a), wa=g.L(a), ret_sel=g.tag_sum(a)))
+    return _schedule(config, items)
 
 
-def final_program(config: NPUConfig) -> list:
+def final_program(config: NPUConfig, od: int | None = None) -> list:
     """O = O_acc * (1/l) per row: T = l, start the row's reciprocal (its
-    operand is T of PE (r, 0)), wait for it, FINAL on every O column
-    (l == 0 gives +0)."""
+    operand is T of PE (r, 0)), FINAL on each of the ``od`` O columns once
+    1/l has arrived (l == 0 gives +0); scheduled."""
     g = RegMap(config)
-    prog = []
+    od = _od(config, od)
+    items = []
     for a in range(g.wr):
-        prog.append(_word(PeOp.LOADT, ra=g.L(a)))
-        prog.append(_word(rcp=1, tag=g.tag_rcp(a)))
-        for n in range(g.od):
-            prog.append(_word(PeOp.FINAL, ra=g.O(a, n), rb=g.L(a), wa=g.O(a, n),
-                              ret_sel=g.tag_rcp(a), wait=int(n == 0), n=n))
-    prog.append(_word())
-    prog[-1]["last"] = 1
-    return prog
+        items.append(Op(PeOp.LOADT, ra=g.L(a)))
+        items.append(Injection(g.tag_rcp(a), rcp=1))
+        items += [Op(PeOp.FINAL, ra=g.O(a, n), rb=g.L(a), wa=g.O(a, n), ret_sel=g.tag_rcp(a))
+                  for n in range(od)]
+    return _schedule(config, items)
+
+
+def sum_or(values):
+    """OR of a list of values (0 for none)."""
+    out = 0
+    for v in values:
+        out = out | v
+    return out
+
+
+def gap_s(config: NPUConfig) -> int:
+    """Bubble cycles between two k rounds of the S phase: each round
+    updates the wr*wc S accumulators once, and a MAC must issue
+    ``MAC_RECURRENCE`` cycles after the last one on its accumulator."""
+    return max(0, MAC_RECURRENCE - config.rows_per_pe * config.cols_per_pe)
+
+
+def gap_pv_cycles(config: NPUConfig, od: int) -> int:
+    """Bubble cycles between two k rounds of P.V (wr*od O_acc accumulators
+    per round; see ``gap_s``)."""
+    return max(0, MAC_RECURRENCE - config.rows_per_pe * od) if od else 0
 
 
 class Core(wiring.Component):
@@ -325,8 +349,8 @@ class Core(wiring.Component):
     inject : In(len(Inject))
         Test-only faults, bits ``Inject`` (0 in normal use).
     reg_err : Out(1)
-        A PE register was read before it was written (see the module
-        docstring); the core stopped (IDLE, no ``done``, no O beats; the buffers
+        A PE register was read before it was written, or while an earlier
+        op's write to it was still in the pipeline (see ``_register_check``); the core stopped (IDLE, no ``done``, no O beats; the buffers
         keep their state, so reset it before the next command).  Sticky until
         the next accepted command.
     reg_err_addr : Out(log2 regs); reg_err_phase : Out(Phase); reg_err_tile : Out(LEN_BITS)
@@ -343,8 +367,11 @@ class Core(wiring.Component):
         self.regs = RegMap(config)
         R, C = config.array_rows, config.array_cols
         ab = _bits(config.pe_registers)
-        self.programs = {"init": init_program(config), "sm": softmax_program(config),
-                         "final": final_program(config)}
+        odm = self.regs.od
+        #: each program in one variant per O-column count od (1..odm)
+        self.programs = {name: {od: f(config, od) for od in range(1, odm + 1)}
+                         for name, f in (("init", init_program), ("sm", softmax_program),
+                                         ("final", final_program))}
         super().__init__({
             "cmd": In(stream.Signature(cmd_layout(config))),
             "wr": In(stream.Signature(write_layout(config))),
@@ -376,30 +403,38 @@ class Core(wiring.Component):
         full = bufs.full
         m.d.comb += [self.full.eq(full), bufs.release.eq(release)]
 
-        pc, word, base = self._rom(m)
+        pc, word, base = self._rom(m, od)
         s = self._sequencer(m, arr, cmd, od, full, release, pc, word, base)
         in_out = self._readout(m, s, arr)
         ctl_d = self._operands(m, s, arr, bufs)
+        m.d.comb += s.ctl_op.eq(ctl_d.op)
         self._register_check(m, s, arr, ctl_d, in_out)
         self._counters(m, s, ctl_d)
         return m
 
     # ------------------------------------------------------------ ROM programs
-    def _rom(self, m):
-        """The INIT, softmax and FINAL micro-programs in one ROM read at
-        ``pc`` (combinationally).  Returns ``(pc, word, base)``: the program
-        counter, the word at it and each program's first address."""
+    def _rom(self, m, od):
+        """The INIT, softmax and FINAL micro-programs (a variant per O-column
+        count) in one ROM read at ``pc`` (combinationally).  Returns ``(pc,
+        word, base)``: the program counter, the word at it and each
+        program's first address for the command's ``od`` (``base(name,
+        od)``, a value)."""
         progs = self.programs
-        base = {}
+        starts = {}
         words = []
         for name in ("init", "sm", "final"):
-            base[name] = len(words)
-            words += progs[name]
+            starts[name] = []
+            for k in sorted(progs[name]):
+                starts[name].append(len(words))
+                words += progs[name][k]
         m.submodules.rom = rom_mem = Memory(shape=rom_layout(self.config), depth=len(words), init=words)
         rom = rom_mem.read_port(domain="comb")
         pc = Signal(range(len(words)))
         m.d.comb += rom.addr.eq(pc)
         word = rom.data
+
+        def base(name, od_value=od):
+            return Array([Const(x, pc.shape()) for x in starts[name]])[od_value - 1]
         return pc, word, base
 
     # --------------------------------------------------------------- sequencer
@@ -430,8 +465,20 @@ class Core(wiring.Component):
         a = Signal(range(wr))
         b = Signal(range(wc))
         n = Signal(range(odm))
+        # The PEs' pipelines are empty (``s_quiet``) when no op issued so far
+        # is still active: ``paused`` waits for it (the MACs of the S loop or
+        # of P.V may still be writing when a pause begins), and so does a new
+        # command after a core that stopped on a register-check error.
+        s_quiet = Signal()
+        left = Signal(range(PIPE_DEPTH + 1))      # cycles of activity left after this one
+        ctl_op = Signal(PeOp)                     # op of the control word the PEs execute now
+        op_left = Signal.like(left)
+        m.d.comb += op_left.eq(Array([Const(OP_TIMING[op].last_stage(), left.shape())
+                                      for op in PeOp])[ctl_op])
+        m.d.sync += left.eq(Mux(op_left > left, op_left, Mux(left == 0, 0, left - 1)))
+        m.d.comb += s_quiet.eq((left == 0) & (ctl_op == PeOp.NOP))
         m.d.comb += [self.phase.eq(phase), self.pause_at.eq(pause_at), self.tile.eq(tile),
-                     self.paused.eq(phase == Phase.PAUSED),
+                     self.paused.eq((phase == Phase.PAUSED) & s_quiet),
                      self.busy.eq(phase != Phase.IDLE)]
         m.d.sync += self.done.eq(0)
         half = tile[0]
@@ -459,6 +506,10 @@ class Core(wiring.Component):
 
         enter_s = Signal()
         accept = Signal()                      # a q-tile command is taken this cycle
+        gap = Signal(range(MAC_RECURRENCE + 1))   # bubbles left before the next MAC round
+        gap_pv = Signal.like(gap)
+        m.d.comb += gap_pv.eq(Array([Const(gap_pv_cycles(cfg, o), gap.shape())
+                                     for o in range(odm + 1)])[od])
 
         # return-register scoreboard: a word with ``wait`` stalls until the
         # result it reads (tag ``ret_sel``) has arrived.  A result that is
@@ -478,7 +529,8 @@ class Core(wiring.Component):
             half=half, k_sel=k_sel, v_sel=v_sel, k_ok=k_ok, v_ok=v_ok, m_ok=m_ok,
             iss=iss, iss_a=iss_a, iss_b=iss_b, iss_k=iss_k, iss_n=iss_n, iss_kc=iss_kc,
             sa_pv=sa_pv, use_pv_sa=use_pv_sa, o_r=o_r, o_a=o_a, o_n=o_n, primed=primed,
-            enter_s=enter_s, accept=accept, ready_now=ready_now, clear=clear)
+            enter_s=enter_s, accept=accept, ready_now=ready_now, clear=clear, gap=gap, gap_pv=gap_pv,
+            quiet=s_quiet, ctl_op=ctl_op)
         self._phase_fsm(m, s)
 
         # test-only faults for the register check (override the issued word)
@@ -509,22 +561,22 @@ class Core(wiring.Component):
         next_k = Mux(s.half, 1 << BufSel.K0, 1 << BufSel.K1)
         with m.If(cmd.pause[PausePoint.TILE]):
             m.d.sync += [phase.eq(Phase.PAUSED), s.resume_to.eq(nxt),
-                         s.pause_at.eq(PausePoint.TILE), s.resume_pc.eq(s.base["final"])]
+                         s.pause_at.eq(PausePoint.TILE), s.resume_pc.eq(s.base("final"))]
         with m.Elif(~last_tile & ((s.full & next_k) != 0)):
             self._start_s(m, s)                # back-to-back tiles: no bubble
         with m.Else():
-            m.d.sync += [phase.eq(nxt), s.pc.eq(s.base["final"])]
+            m.d.sync += [phase.eq(nxt), s.pc.eq(s.base("final"))]
 
     def _run_rom(self, m, s, on_last):
         """Issue the ROM word at ``pc`` unless it waits for a return value;
         ``on_last`` adds the actions of the program's last word."""
-        word, pc, od, odm = s.word, s.pc, s.od, self.regs.od
+        word, pc = s.word, s.pc
         stall = word.wait & ~s.ready_now.bit_select(word.ctl.ret_sel, 1)
         with m.If(~stall):
             m.d.comb += [s.iss.eq(word.ctl), s.iss_a.eq(word.a), s.iss_b.eq(word.b)]
             with m.If((word.ctl.tree != TreeOp.NONE) | word.ctl.rcp):
                 m.d.comb += s.clear.eq(_onehot(word.ctl.tag, 3 * self.regs.wr))
-            pc_next = Mux(word.ocol & (word.n == od - 1), pc + 1 + odm - od, pc + 1)
+            pc_next = pc + 1
             m.d.sync += pc.eq(pc_next)
             with m.If(word.last):
                 on_last()
@@ -543,16 +595,17 @@ class Core(wiring.Component):
         k, a, b, n, kc, kb, tile = s.k, s.a, s.b, s.n, s.kc, s.kb, s.tile
         with m.Switch(phase):
             with m.Case(Phase.IDLE):
-                m.d.comb += self.cmd.ready.eq(1)
-                with m.If(self.cmd.valid):
+                m.d.comb += self.cmd.ready.eq(s.quiet)
+                with m.If(self.cmd.valid & s.quiet):
                     p = self.cmd.payload
                     bad = (p.head_dim == 0) | (p.head_dim > mhd) | (p.n_kv == 0)
                     m.d.sync += self.err.eq(bad)
+                    od_new = Signal.like(s.od)
+                    m.d.comb += od_new.eq((p.head_dim + C - 1) >> (C.bit_length() - 1))
                     with m.If(~bad):
                         m.d.comb += s.accept.eq(1)
-                        m.d.sync += [cmd.eq(p), phase.eq(Phase.INIT), pc.eq(base["init"]),
-                                     tile.eq(0), s.kv0.eq(0),
-                                     s.od.eq((p.head_dim + C - 1) >> (C.bit_length() - 1))]
+                        m.d.sync += [cmd.eq(p), phase.eq(Phase.INIT), pc.eq(base("init", od_new)),
+                                     tile.eq(0), s.kv0.eq(0), s.od.eq(od_new)]
             with m.Case(Phase.INIT):
                 def init_last():
                     m.d.sync += phase.eq(Phase.WAIT_K)
@@ -561,26 +614,34 @@ class Core(wiring.Component):
                 with m.If(s.k_ok):
                     self._start_s(m, s)
             with m.Case(Phase.S):
-                m.d.comb += [iss.op.eq(PeOp.MAC), iss.ra.eq(a * wc + b), iss.wa.eq(a * wc + b),
-                             iss.first.eq(k == 0), s.iss_a.eq(a), s.iss_b.eq(b), s.iss_k.eq(k)]
-                last_b = b == wc - 1
-                last_a = a == wr - 1
-                last_k = k == cmd.head_dim - 1
-                m.d.sync += b.eq(Mux(last_b, 0, b + 1))
-                with m.If(last_b):
-                    m.d.sync += a.eq(Mux(last_a, 0, a + 1))
-                    with m.If(last_a):
-                        m.d.sync += k.eq(k + 1)
-                with m.If(last_b & last_a & last_k):
-                    m.d.comb += release.eq(s.k_sel | Mux(tile + 1 == cmd.n_kv, 1 << BufSel.Q, 0))
-                    m.d.sync += pc.eq(base["sm"])
-                    with m.If(cmd.pause[PausePoint.S_RAW]):
-                        m.d.sync += [phase.eq(Phase.PAUSED), s.resume_to.eq(Phase.WAIT_M),
-                                     s.pause_at.eq(PausePoint.S_RAW), s.resume_pc.eq(base["sm"])]
-                    with m.Elif(s.m_ok):
-                        m.d.sync += phase.eq(Phase.SM)
-                    with m.Else():
-                        m.d.sync += phase.eq(Phase.WAIT_M)
+                # a round (one k) touches the wr*wc accumulators once; fewer
+                # than MAC_RECURRENCE of them leave bubbles between rounds
+                with m.If(s.gap != 0):
+                    m.d.sync += s.gap.eq(s.gap - 1)
+                with m.Else():
+                    m.d.comb += [iss.op.eq(PeOp.MAC), iss.ra.eq(a * wc + b), iss.wa.eq(a * wc + b),
+                                 iss.first.eq(k == 0), s.iss_a.eq(a), s.iss_b.eq(b), s.iss_k.eq(k)]
+                    last_b = b == wc - 1
+                    last_a = a == wr - 1
+                    last_k = k == cmd.head_dim - 1
+                    m.d.sync += b.eq(Mux(last_b, 0, b + 1))
+                    with m.If(last_b):
+                        m.d.sync += a.eq(Mux(last_a, 0, a + 1))
+                        with m.If(last_a):
+                            m.d.sync += k.eq(k + 1)
+                            if gap_s(cfg):
+                                with m.If(~last_k & ~self.inject[Inject.NO_GAP]):
+                                    m.d.sync += s.gap.eq(gap_s(cfg))
+                    with m.If(last_b & last_a & last_k):
+                        m.d.comb += release.eq(s.k_sel | Mux(tile + 1 == cmd.n_kv, 1 << BufSel.Q, 0))
+                        m.d.sync += pc.eq(base("sm"))
+                        with m.If(cmd.pause[PausePoint.S_RAW]):
+                            m.d.sync += [phase.eq(Phase.PAUSED), s.resume_to.eq(Phase.WAIT_M),
+                                         s.pause_at.eq(PausePoint.S_RAW), s.resume_pc.eq(base("sm"))]
+                        with m.Elif(s.m_ok):
+                            m.d.sync += phase.eq(Phase.SM)
+                        with m.Else():
+                            m.d.sync += phase.eq(Phase.WAIT_M)
             with m.Case(Phase.WAIT_M):
                 with m.If(s.m_ok):
                     m.d.sync += phase.eq(Phase.SM)
@@ -598,24 +659,29 @@ class Core(wiring.Component):
                     m.d.sync += phase.eq(Phase.PV)
                     self._start_pv(m, s)
             with m.Case(Phase.PV):
-                m.d.comb += [iss.op.eq(PeOp.MAC), iss.ra.eq(g.o_base + a * odm + n),
-                             iss.wa.eq(g.o_base + a * odm + n), iss.skipz.eq(1), iss.pv.eq(1),
-                             s.iss_a.eq(a), s.iss_k.eq(k), s.iss_n.eq(n), s.iss_kc.eq(kc),
-                             s.sa_pv.eq(a * wc + kb), s.use_pv_sa.eq(1)]
-                last_n = n == s.od - 1
-                last_a = a == wr - 1
-                last_k = k == Bc - 1
-                m.d.sync += n.eq(Mux(last_n, 0, n + 1))
-                with m.If(last_n):
-                    m.d.sync += a.eq(Mux(last_a, 0, a + 1))
-                    with m.If(last_a):
-                        m.d.sync += [k.eq(k + 1), kb.eq(Mux(kb == wc - 1, 0, kb + 1))]
-                        with m.If(kb == wc - 1):
-                            m.d.sync += kc.eq(kc + 1)
-                with m.If(last_n & last_a & last_k):
-                    m.d.comb += release.eq(s.v_sel)
-                    m.d.sync += [tile.eq(tile + 1), s.kv0.eq(s.kv0 + Bc)]
-                    self._after_tile(m, s)
+                with m.If(s.gap != 0):
+                    m.d.sync += s.gap.eq(s.gap - 1)
+                with m.Else():
+                    m.d.comb += [iss.op.eq(PeOp.MAC), iss.ra.eq(g.o_base + a * odm + n),
+                                 iss.wa.eq(g.o_base + a * odm + n), iss.skipz.eq(1), iss.pv.eq(1),
+                                 s.iss_a.eq(a), s.iss_k.eq(k), s.iss_n.eq(n), s.iss_kc.eq(kc),
+                                 s.sa_pv.eq(a * wc + kb), s.use_pv_sa.eq(1)]
+                    last_n = n == s.od - 1
+                    last_a = a == wr - 1
+                    last_k = k == Bc - 1
+                    m.d.sync += n.eq(Mux(last_n, 0, n + 1))
+                    with m.If(last_n):
+                        m.d.sync += a.eq(Mux(last_a, 0, a + 1))
+                        with m.If(last_a):
+                            m.d.sync += [k.eq(k + 1), kb.eq(Mux(kb == wc - 1, 0, kb + 1))]
+                            with m.If(kb == wc - 1):
+                                m.d.sync += kc.eq(kc + 1)
+                            with m.If(~last_k):
+                                m.d.sync += s.gap.eq(s.gap_pv)
+                    with m.If(last_n & last_a & last_k):
+                        m.d.comb += release.eq(s.v_sel)
+                        m.d.sync += [tile.eq(tile + 1), s.kv0.eq(s.kv0 + Bc)]
+                        self._after_tile(m, s)
             with m.Case(Phase.FINAL):
                 def final_last():
                     m.d.sync += [phase.eq(Phase.OUT), s.o_r.eq(0), s.o_a.eq(0), s.o_n.eq(0),
@@ -624,7 +690,7 @@ class Core(wiring.Component):
             with m.Case(Phase.OUT):
                 pass                                   # see ``_readout``
             with m.Case(Phase.PAUSED):
-                with m.If(self.resume):
+                with m.If(self.resume & self.paused):
                     m.d.sync += [phase.eq(s.resume_to), pc.eq(s.resume_pc)]
 
     # --------------------------------------------------------------- O read-out
@@ -745,37 +811,72 @@ class Core(wiring.Component):
 
     # ------------------------------------------------ register check (simulation)
     def _register_check(self, m, s, arr, ctl_d, in_out):
-        """One written-mask for all PEs (SIMD).  Operand-stage reads (ra, rb
-        of ``ctl_d``) see the writes of earlier cycles; the synchronous port
-        is transparent, so its issue-stage read also sees this cycle's write.
-        A violation stops the core and latches ``reg_err*``."""
+        """One written-mask for all PEs (SIMD), kept at the PEs' true timing:
+        the op pipeline of a PE is mirrored here (stage records of op and
+        ``wa``), a register counts as written in the cycle its write lands,
+        and the A/B reads of the op in stage ``RF_READ_STAGE`` and the
+        synchronous port's read (issued this cycle) are checked.  A read
+        fails when the register was not written since it was last cleared,
+        or when an earlier op's write to it is still in flight (the
+        scheduler's and the loops' promise).  A violation stops the core and
+        latches ``reg_err*``."""
         cfg = self.config
         phase, tile = s.phase, s.tile
         NR = cfg.pe_registers
         written = Signal(NR)
         tile_mask = sum(1 << i for i in tile_registers(cfg))
-        rd_a, rd_b, wr_u = Signal(), Signal(), Signal()
-        with m.Switch(ctl_d.op):
+        wstage = {op: t.write for op, t in OP_TIMING.items() if t.write is not None}
+        n_st = max(wstage.values()) + 1
+        rec = data.StructLayout({"op": PeOp, "wa": ctl_d.wa.shape(), "first": 1, "skipz": 1})
+        st = [Signal(rec, name=f"chk_st{i}") for i in range(n_st)]
+        m.d.comb += [st[0].op.eq(ctl_d.op), st[0].wa.eq(ctl_d.wa), st[0].first.eq(ctl_d.first),
+                     st[0].skipz.eq(ctl_d.skipz)]
+        ra1, rb1 = Signal.like(ctl_d.ra), Signal.like(ctl_d.rb)
+        m.d.sync += [ra1.eq(ctl_d.ra), rb1.eq(ctl_d.rb)]
+        for i in range(1, n_st):
+            m.d.sync += st[i].eq(st[i - 1])
+        # writes landing now, and writes still to land (per stage of the writer)
+        wr_now = 0
+        pend = [0] * n_st
+        for op, w in wstage.items():
+            for i in range(n_st):
+                hit = st[i].op == op
+                if i == w:
+                    cond = hit & ~st[i].skipz if op == PeOp.MAC else hit
+                    wr_now = wr_now | Mux(cond, _onehot(st[i].wa, NR), 0)
+                elif i < w:
+                    pend[i] = pend[i] | Mux(hit, _onehot(st[i].wa, NR), 0)
+        wr_now_s = Signal(NR)
+        pend_ab = Signal(NR)                   # in flight for the reader in stage 1
+        pend_s = Signal(NR)                    # in flight for the sync port's read now
+        m.d.comb += [wr_now_s.eq(wr_now), pend_ab.eq(sum_or(pend[RF_READ_STAGE + 1:])),
+                     pend_s.eq(sum_or(pend))]
+        rd = st[RF_READ_STAGE]
+        rd_a, rd_b = Signal(), Signal()
+        with m.Switch(rd.op):
             for op, (ua, ub, uw) in RF_USE.items():
                 with m.Case(op):
                     if op == PeOp.MAC:
-                        m.d.comb += [rd_a.eq(~ctl_d.first), wr_u.eq(~ctl_d.skipz)]
+                        m.d.comb += rd_a.eq(~rd.first)
                     else:
-                        m.d.comb += [rd_a.eq(ua), rd_b.eq(ub), wr_u.eq(uw)]
-        wr_now = Signal(NR)
-        m.d.comb += wr_now.eq(Mux(wr_u, _onehot(ctl_d.wa, NR), 0))
+                        m.d.comb += [rd_a.eq(ua), rd_b.eq(ub)]
         with m.If(s.accept):
             m.d.sync += written.eq(0)
         with m.Elif(s.enter_s):
-            m.d.sync += written.eq((written & ~Const(tile_mask, NR)) | wr_now)
+            m.d.sync += written.eq((written & ~Const(tile_mask, NR)) | wr_now_s)
         with m.Else():
-            m.d.sync += written.eq(written | wr_now)
-        phase_d = Signal(Phase)                # phase and kv tile of the word in ``ctl_d``
-        tile_d = Signal.like(tile)
-        m.d.sync += [phase_d.eq(phase), tile_d.eq(tile)]
-        bad_a = rd_a & ~written.bit_select(ctl_d.ra, 1)
-        bad_b = rd_b & ~written.bit_select(ctl_d.rb, 1)
-        bad_s = (s.use_pv_sa | in_out) & ~(written | wr_now).bit_select(arr.sa, 1)
+            m.d.sync += written.eq(written | wr_now_s)
+        phase_d = [Signal(Phase, name=f"chk_phase{i}") for i in range(2)]   # of the word in E0, E1
+        tile_d = [Signal.like(tile, name=f"chk_tile{i}") for i in range(2)]
+        m.d.sync += [phase_d[0].eq(phase), tile_d[0].eq(tile), phase_d[1].eq(phase_d[0]),
+                     tile_d[1].eq(tile_d[0])]
+        seen = written | wr_now_s
+
+        def bad(addr, pending):
+            return ~seen.bit_select(addr, 1) | pending.bit_select(addr, 1)
+        bad_a = rd_a & bad(ra1, pend_ab)
+        bad_b = rd_b & bad(rb1, pend_ab)
+        bad_s = (s.use_pv_sa | in_out) & bad(arr.sa, pend_s)
         viol = Signal()
         m.d.comb += viol.eq((phase != Phase.IDLE) & (bad_a | bad_b | bad_s))
         with m.If(s.accept):
@@ -783,11 +884,11 @@ class Core(wiring.Component):
         with m.If(viol):
             m.d.sync += [self.reg_err.eq(1), phase.eq(Phase.IDLE), self.done.eq(0)]
             with m.If(bad_a):
-                m.d.sync += [self.reg_err_addr.eq(ctl_d.ra), self.reg_err_phase.eq(phase_d),
-                             self.reg_err_tile.eq(tile_d)]
+                m.d.sync += [self.reg_err_addr.eq(ra1), self.reg_err_phase.eq(phase_d[1]),
+                             self.reg_err_tile.eq(tile_d[1])]
             with m.Elif(bad_b):
-                m.d.sync += [self.reg_err_addr.eq(ctl_d.rb), self.reg_err_phase.eq(phase_d),
-                             self.reg_err_tile.eq(tile_d)]
+                m.d.sync += [self.reg_err_addr.eq(rb1), self.reg_err_phase.eq(phase_d[1]),
+                             self.reg_err_tile.eq(tile_d[1])]
             with m.Else():
                 m.d.sync += [self.reg_err_addr.eq(arr.sa), self.reg_err_phase.eq(phase),
                              self.reg_err_tile.eq(tile)]

@@ -85,6 +85,7 @@ loads each Q tile twice), ``QUEUE_OVERFLOW`` a DMA completion with
 with descriptors outstanding that makes no progress for ``watchdog`` cycles,
 ``DMA`` any other DMA completion error (code in ``status.dma_code``),
 ``REG_UNWRITTEN`` a PE register read before it was written in its lifetime
+or while a write to it was still in the PE pipeline
 (S/P and alpha: the kv tile; m_i, l_i, O_acc: the q tile, from INIT), checked
 by the core on every control word, first offending read in ``reg_check``
 (injectable: ``debug.inject_skip_init``, ``debug.inject_drop_s_write``).

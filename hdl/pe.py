@@ -10,45 +10,43 @@ operands.  Keeping control out of the PE makes it small and lets the Verilog
 of one PE be generated once and instantiated R x C times (see ``array``).
 
 The register file is an ``amaranth.lib.memory.Memory`` (64 x 32 bit) with
-three read ports and one write port:
-
-* two asynchronous ports (A, B) feed the arithmetic: ops such as
-  ``l = alpha * l + rowsum`` and ``O = alpha * O`` read two registers in the
-  cycle they write one, so the one-op-per-cycle rule needs two reads;
-* one synchronous port (S) with its own address is the PE's outward window:
-  during P.V it reads the P operand of the *next* step (the row broadcast
-  register), and otherwise it serves the O read-out stream and the debug
-  port.  It is transparent to the write port, so a read in the cycle of a
-  write returns the new value.
-
-A Memory becomes a plain Verilog array (the toolchain notes measured 23x
-less Verilog than an Array of Signals), and a register file is what an ASIC
-would build here (a 2R1W latch array).
+three synchronous read ports, all transparent to the one write port: A and
+B (the op's ``ra``/``rb``, addresses registered in stage E1, data in E2)
+and S, the PE's outward window with its own address (the P operand of the
+next P.V step, the O read-out stream and the debug port).  A Memory becomes
+a plain Verilog array, and a register file is what an ASIC would build here
+(a 3R1W latch array).
 
 Per PE the units are: one ``Fp16Mac`` (S = Q.K and O += P.V, and the row-sum
 fold, which adds an FP16 P as ``P x 1.0``), one ``Fp32Mul``, one
-``Fp32AddSub``, one ``Fp32Max``, one ``Exp2`` and one ``Fp32ToFp16``,
-time-multiplexed by the opcode.  Two 32-bit temporaries: ``T`` (the fold
-accumulator that feeds the row-reduction tree) and ``U`` (m_new of the row
-being exponentiated).
+``Fp32AddSub``, two ``Fp32Max`` (m_new, and the T fold of the row max),
+one ``Exp2`` and one ``Fp32ToFp16``, each pipelined at its
+``fpu.DESIGN_LATENCY`` and shared by the opcodes in time.  Two 32-bit
+temporaries: ``T`` (the fold accumulator that feeds the row-reduction tree)
+and ``U`` (m_new of the row being exponentiated).
 
-Dataflow::
+Pipeline
+--------
+The control word, the bus operands (a16, b16) and ``vis`` arrive in stage
+E0; the op's fields travel down a stage pipeline (``st``), and every op
+touches each resource in fixed stages (``OP_TIMING``)::
 
-        a16 (row bus: Q or P) ──┐      b16 (column bus: K or V)
-                                ▼        ▼
-     ┌────────── RF 64x32 ──A──► Fp16Mac ─┐
-     │   sa ─► S port ─► sd     B  Fp32Mul ├──► wdata ─► RF[wa]
-     │                          ├► AddSub ─┤
-     │  ret (row tree / recip) ─┼► Max     │
-     │  cst (score constant) ───┘  Exp2 ─► ToFp16
-     │                        T ──────────────────► t (tree leaf / recip operand)
-     └─ U (m_new)
+    stage   E0     E1      E2        E3     E4     E5     E6..E9         E10   E11..E16
+    MAC     mult   product acc+RF A  swap   add    norm -> RF write (E5)
+    SCALE          ra      mul       mul    RF     T = max(T, s)
+    MALPHA         ra      U=max(A,ret)  sub(A3, U) ... E6 | exp2 E7-E8 -> RF (E9)
+    PEXP           ra      sub(A, U) .. E5 | exp2 E6-E8 | to_fp16 E9 -> RF (E10) | T += P (MAC, E11-E16)
+    LADD           ra      add(A, ret) .. -> RF (E5)
+    RESC/FINAL     ra,rb   mul .. -> RF (E4)
+    MSET/SETZ/SETNI        -> RF (E2)          LOADT: T = A (E2)
 
-Timing: the control word and the operands of a step arrive in the same
-cycle; register-file writes land at the end of that cycle (1 op / cycle).
-The softmax ops chain up to four units combinationally (e.g. sub -> exp2 ->
-to_fp16 -> MAC); a synthesised design would split them over two or three
-cycles, adding about a dozen cycles per kv tile to the ~25-cycle softmax.
+Every unit's inputs come from flops (register-file data, the pipeline's
+own registers, the row's registered ``ret``), and every stage is within
+the 40-level budget (``results/depth.md``).  There are no interlocks: the
+sequencer issues MACs on ``MAC_RECURRENCE`` (4) or more independent
+accumulators, and the softmax, INIT and FINAL programs are scheduled
+statically against ``OP_TIMING`` (``hdl/schedule.py``); the core's
+register check flags any read that meets a pending write.
 """
 
 from __future__ import annotations
@@ -62,9 +60,10 @@ from amaranth.lib.wiring import In, Out
 
 from flashnpu.config import NPUConfig
 
-from .fpu import ONE32, Exp2, Fp16Mac, Fp32AddSub, Fp32Max, Fp32Mul, Fp32ToFp16
+from .fpu import DESIGN_LATENCY, ONE32, Exp2, Fp16Mac, Fp32AddSub, Fp32Max, Fp32Mul, Fp32ToFp16
 
-__all__ = ["PeOp", "TreeOp", "ctl_layout", "RegMap", "Pe", "NEG_INF32", "ONE16"]
+__all__ = ["PeOp", "TreeOp", "ctl_layout", "RegMap", "Pe", "NEG_INF32", "ONE16", "OpTiming", "OP_TIMING",
+           "PIPE_DEPTH", "MAC_RECURRENCE", "RF_READ_STAGE", "RET_STAGE"]
 
 NEG_INF32 = 0xFF800000
 ONE16 = 0x3C00
@@ -82,7 +81,7 @@ class PeOp(enum.IntEnum):
     MALPHA = 3   # U = max32(A, ret) (m_new); RF[wa] = U == -inf ? 1 : exp2(sub32(A, U))
     PEXP = 4     # p = U == -inf ? 0 : to_fp16(exp2(sub32(A, U))); RF[wa] = p; T = mac(first ? 0 : T, p, 1.0)
     MSET = 5     # RF[wa] = U
-    LUPD = 6     # RF[wa] = add32(mul32(A, B), ret)
+    LADD = 6     # RF[wa] = add32(A, ret)  (l_i = alpha * l_i (RESC) + row sum)
     RESC = 7     # RF[wa] = mul32(A, B)
     LOADT = 8    # T = A
     FINAL = 9    # RF[wa] = B == +-0 ? +0 : mul32(A, ret)
@@ -175,6 +174,65 @@ class RegMap:
         return 2 * self.wr + a
 
 
+# ------------------------------------------------------------------ timing
+#: Stage (cycles after the control word reaches the PE, "E0") at which the
+#: register file's A and B ports take their addresses; the data follow one
+#: cycle later (registered reads, transparent to the write port).
+RF_READ_STAGE = 1
+#: Stage at which ``ret`` is valid for the op (the PE row registers it).
+RET_STAGE = 2
+
+
+class OpTiming:
+    """When an opcode touches each PE resource, in stages after E0.
+
+    ``write``: stage of its register-file write (None: none); ``t_read`` /
+    ``t_write``, ``u_read`` / ``u_write``: stages of its reads and writes of
+    the T and U temporaries (``t_read`` only when ``first`` is 0);
+    ``units``: the stage at which it enters each pipelined unit (a unit
+    takes one operand set per cycle).  The tile sequencer's program
+    scheduler (``hdl/schedule.py``) and the core's register check read
+    this table; ``Pe.elaborate`` implements it.
+    """
+
+    def __init__(self, write=None, t_read=(), t_write=None, u_read=(), u_write=None, units=None,
+                 ret=False):
+        self.write, self.t_read, self.t_write = write, tuple(t_read), t_write
+        self.u_read, self.u_write, self.units, self.ret = tuple(u_read), u_write, dict(units or {}), ret
+
+    def last_stage(self, first: bool = False) -> int:
+        """The last stage in which the op is still active."""
+        stages = [0, *self.units.values(), *(s for s in (self.write, self.t_write, self.u_write)
+                                               if s is not None), *self.u_read]
+        if not first:
+            stages += list(self.t_read)
+        return max(stages)
+
+
+#: Per-op timing of the pipelined PE (see the ``Pe`` docstring's diagram).
+OP_TIMING = {
+    PeOp.NOP: OpTiming(),
+    PeOp.MAC: OpTiming(write=5, units={"mac": 0}),
+    PeOp.SCALE: OpTiming(write=4, t_read=(5,), t_write=5, units={"mul": 2, "tmax": 5}),
+    PeOp.MALPHA: OpTiming(write=9, u_read=(3,), u_write=2, units={"max": 2, "add": 3, "exp2": 7},
+                          ret=True),
+    PeOp.PEXP: OpTiming(write=10, t_read=(13,), t_write=16, u_read=(2,),
+                        units={"add": 2, "exp2": 6, "to_fp16": 9, "mac": 11}),
+    PeOp.MSET: OpTiming(write=2, u_read=(2,)),
+    PeOp.LADD: OpTiming(write=5, units={"add": 2}, ret=True),
+    PeOp.RESC: OpTiming(write=4, units={"mul": 2}),
+    PeOp.LOADT: OpTiming(t_write=2),
+    PeOp.FINAL: OpTiming(write=4, units={"mul": 2}, ret=True),
+    PeOp.SETZ: OpTiming(write=2),
+    PeOp.SETNI: OpTiming(write=2),
+}
+#: Deepest stage of any op (the PE's pipeline length after E0).
+PIPE_DEPTH = max(t.last_stage() for t in OP_TIMING.values())
+#: Issue distance (cycles) between two MACs on the same accumulator: the
+#: first writes in stage 5, the second reads its address in stage 1.
+MAC_RECURRENCE = OP_TIMING[PeOp.MAC].write - RF_READ_STAGE
+
+
 class Pe(wiring.Component):
     """One processing element (see the module docstring).
 
@@ -186,28 +244,28 @@ class Pe(wiring.Component):
     Ports
     -----
     ctl : In(ctl_layout(config))
-        Control word of this cycle (same for every PE).
+        Control word of this cycle, stage E0 (same for every PE).
     a16 : In(16)
-        Row broadcast operand (Q[i, k] in the S phase, P[i, k] in P.V).
+        Row broadcast operand (Q[i, k] in the S phase, P[i, k] in P.V), E0.
     b16 : In(16)
-        Column operand (K[j, k] in the S phase, V[k, col] in P.V).
+        Column operand (K[j, k] in the S phase, V[k, col] in P.V), E0.
     cst : In(32)
-        The score constant c = fp32(scale * log2 e), binary32.
+        The score constant c = fp32(scale * log2 e), binary32 (static).
     vis : In(1)
-        1 when the score this SCALE op touches is visible (else -> -inf).
+        1 when the score this SCALE op touches is visible (else -> -inf), E0.
     ret : In(32)
-        The row's returned value (row max, row sum or 1/l) chosen by
-        ``ctl.ret_sel``.
+        The row's returned value (row max, row sum or 1/l) chosen by the
+        ``ctl.ret_sel`` of the op now in stage ``RET_STAGE`` (E2).
     sa : In(log2 regs)
         Address of the synchronous read port.
     sd : Out(32)
-        Register ``sa`` of the previous cycle (1-cycle latency).
+        Register ``sa`` of the previous cycle (1-cycle latency, transparent).
     t : Out(32)
         The T temporary: leaf of the row-reduction tree, operand of the
         row's reciprocal unit.
     pnz : Out(1)
-        1 the cycle after a PEXP op wrote a non-zero P (registered): the
-        array counts them for the S-tile check (``hdl/s_check.py``).
+        1 when a PEXP op wrote a non-zero P the cycle before (registered):
+        the array counts them for the S-tile check (``hdl/s_check.py``).
     """
 
     def __init__(self, config: NPUConfig):
@@ -223,85 +281,120 @@ class Pe(wiring.Component):
     def elaborate(self, platform):
         m = Module()
         ctl = self.ctl
+        ab = _bits(self.config.pe_registers)
         m.submodules.rf = rf = Memory(shape=32, depth=self.config.pe_registers, init=[])
         wp = rf.write_port()
-        rpa = rf.read_port(domain="comb")
-        rpb = rf.read_port(domain="comb")
+        rpa = rf.read_port(domain="sync", transparent_for=(wp,))
+        rpb = rf.read_port(domain="sync", transparent_for=(wp,))
         rps = rf.read_port(domain="sync", transparent_for=(wp,))
-        m.submodules.mac = mac = Fp16Mac()
-        m.submodules.mul = mul = Fp32Mul()
-        m.submodules.add = add = Fp32AddSub()
+        L = DESIGN_LATENCY
+        m.submodules.mac = mac = Fp16Mac(L[Fp16Mac])
+        m.submodules.mul = mul = Fp32Mul(L[Fp32Mul])
+        m.submodules.add = add = Fp32AddSub(L[Fp32AddSub])
         m.submodules.mx = mx = Fp32Max()
-        m.submodules.ex = ex = Exp2()
-        m.submodules.cv = cv = Fp32ToFp16()
+        m.submodules.tmx = tmx = Fp32Max()
+        m.submodules.ex = ex = Exp2(L[Exp2])
+        m.submodules.cv = cv = Fp32ToFp16(L[Fp32ToFp16])
+        tm = OP_TIMING
+        assert (mac.latency, mul.latency, add.latency, ex.latency, cv.latency, mac.acc_delay) == (
+            tm[PeOp.MAC].write, 2, 3, 2, 1, 2), "OP_TIMING assumes these unit latencies"
+
+        # --- the op's control travels down a stage pipeline: st[s] is the op
+        # in stage Es.  ``flag`` is the op's E0 data bit: MAC -> skip the
+        # write (skipz and a16 == +-0), SCALE -> vis.
+        stage = data.StructLayout({"op": PeOp, "wa": ab, "first": 1, "flag": 1})
+        n_st = max(t.write or 0 for t in tm.values()) + 1
+        st = [Signal(stage, name=f"st{s}") for s in range(n_st)]
+        m.d.comb += [st[0].op.eq(ctl.op), st[0].wa.eq(ctl.wa), st[0].first.eq(ctl.first),
+                     st[0].flag.eq(Mux(ctl.op == PeOp.MAC, ctl.skipz & (self.a16[0:15] == 0),
+                                       self.vis))]
+        for s in range(1, n_st):
+            m.d.sync += st[s].eq(st[s - 1])
+        # PEXP's sum fold runs past the last write stage: only its first bit travels on
+        px = {n_st - 1: st[-1].op == PeOp.PEXP}
+        pf = {n_st - 1: st[-1].first}
+        for s in range(n_st, tm[PeOp.PEXP].t_write + 1):
+            px[s], pf[s] = Signal(name=f"pexp{s}"), Signal(name=f"pexp_first{s}")
+            m.d.sync += [px[s].eq(px[s - 1]), pf[s].eq(pf[s - 1])]
+
+        def at(s, op):
+            return st[s].op == op
+
+        # --- E1: register-file addresses (registered); E2: A, B
+        ra1, rb1 = Signal(ab), Signal(ab)
+        m.d.sync += [ra1.eq(ctl.ra), rb1.eq(ctl.rb)]
+        m.d.comb += [rpa.addr.eq(ra1), rpb.addr.eq(rb1), rps.addr.eq(self.sa),
+                     self.sd.eq(rps.data)]
+        A2, B2 = rpa.data, rpb.data
+        A3 = Signal(32)
+        m.d.sync += A3.eq(A2)
 
         T = Signal(32)
         U = Signal(32)
-        A = rpa.data
-        B = rpb.data
-        m.d.comb += [
-            rpa.addr.eq(ctl.ra), rpb.addr.eq(ctl.rb),
-            rps.addr.eq(self.sa), self.sd.eq(rps.data),
-            wp.addr.eq(ctl.wa),
-            self.t.eq(T),
-        ]
-        wdata = wp.data
-        we = wp.en
+        m.d.comb += self.t.eq(T)
 
-        # Operand steering: defaults keep the unit inputs stable (no toggling
-        # in NOP cycles); each op overrides what it uses.
+        # --- units (a unit's inputs are flops; its entry stage is unique per
+        # cycle by the sequencer's schedule, so the steering is by stage)
+        p10 = Signal(16)                  # PEXP's P (E10)
+        p11 = Signal(16)
+        m.d.sync += p11.eq(p10)
         m.d.comb += [
-            mac.acc.eq(Mux(ctl.first, 0, A)), mac.a.eq(self.a16), mac.b.eq(self.b16),
-            mul.a.eq(A), mul.b.eq(B),
-            add.a.eq(A), add.b.eq(U), add.sub.eq(1),
-            mx.a.eq(A), mx.b.eq(self.ret),
-            ex.x.eq(add.o),
-            cv.a.eq(ex.o),
+            mac.a.eq(Mux(px[11], p11, self.a16)), mac.b.eq(Mux(px[11], ONE16, self.b16)),
+            mac.acc.eq(Mux(px[13], Mux(pf[13], 0, T), Mux(st[2].first, 0, A2))),
+            mul.a.eq(A2),
+            mul.b.eq(Mux(at(2, PeOp.SCALE), self.cst, Mux(at(2, PeOp.FINAL), self.ret, B2))),
+            add.a.eq(Mux(at(3, PeOp.MALPHA), A3, A2)),
+            add.b.eq(Mux(at(2, PeOp.LADD), self.ret, U)),
+            add.sub.eq(~at(2, PeOp.LADD)),
+            mx.a.eq(A2), mx.b.eq(self.ret),
         ]
-        u_empty = U == NEG_INF32
-        p_new = Signal(16)                   # PEXP's P: 0 for a row without a visible key
-        m.d.comb += p_new.eq(Mux(u_empty, 0, cv.o))
-        m.d.sync += self.pnz.eq((ctl.op == PeOp.PEXP) & (p_new[0:15] != 0))
-        with m.Switch(ctl.op):
-            with m.Case(PeOp.MAC):
-                m.d.comb += [wdata.eq(mac.o),
-                             we.eq(~(ctl.skipz & (self.a16[0:15] == 0)))]
-            with m.Case(PeOp.SCALE):
-                s = Signal(32)
-                m.d.comb += [
-                    mul.b.eq(self.cst),
-                    s.eq(Mux(self.vis, mul.o, NEG_INF32)),
-                    wdata.eq(s), we.eq(1),
-                    mx.a.eq(T), mx.b.eq(s),
-                ]
-                m.d.sync += T.eq(Mux(ctl.first, s, mx.o))
-            with m.Case(PeOp.MALPHA):
-                mnew = mx.o
-                m.d.comb += [
-                    add.b.eq(mnew),
-                    wdata.eq(Mux(mnew == NEG_INF32, ONE32, ex.o)), we.eq(1),
-                ]
-                m.d.sync += U.eq(mnew)
-            with m.Case(PeOp.PEXP):
-                m.d.comb += [
-                    wdata.eq(p_new), we.eq(1),
-                    mac.acc.eq(Mux(ctl.first, 0, T)), mac.a.eq(p_new), mac.b.eq(ONE16),
-                ]
-                m.d.sync += T.eq(mac.o)
-            with m.Case(PeOp.MSET):
-                m.d.comb += [wdata.eq(U), we.eq(1)]
-            with m.Case(PeOp.LUPD):
-                m.d.comb += [add.a.eq(mul.o), add.b.eq(self.ret), add.sub.eq(0),
-                             wdata.eq(add.o), we.eq(1)]
-            with m.Case(PeOp.RESC):
-                m.d.comb += [wdata.eq(mul.o), we.eq(1)]
-            with m.Case(PeOp.LOADT):
-                m.d.sync += T.eq(A)
-            with m.Case(PeOp.FINAL):
-                m.d.comb += [mul.b.eq(self.ret),
-                             wdata.eq(Mux(B[0:31] == 0, 0, mul.o)), we.eq(1)]
-            with m.Case(PeOp.SETZ):
-                m.d.comb += [wdata.eq(0), we.eq(1)]
-            with m.Case(PeOp.SETNI):
-                m.d.comb += [wdata.eq(NEG_INF32), we.eq(1)]
+        add_r, ex_r = Signal(32), Signal(32)
+        m.d.sync += [add_r.eq(add.o), ex_r.eq(ex.o)]
+        m.d.comb += [ex.x.eq(add_r), cv.a.eq(ex_r)]
+
+        # U: m_new (MALPHA, E2); ``empty`` = m_new == -inf travels with the op
+        with m.If(at(2, PeOp.MALPHA)):
+            m.d.sync += U.eq(mx.o)
+        empty = {2: Signal(name="empty2")}
+        m.d.comb += empty[2].eq(Mux(at(2, PeOp.MALPHA), mx.o == NEG_INF32, U == NEG_INF32))
+        for s in range(3, tm[PeOp.PEXP].write + 1):
+            empty[s] = Signal(name=f"empty{s}")
+            m.d.sync += empty[s].eq(empty[s - 1])
+        bzero = {2: Signal(name="bzero2")}                # FINAL: l == +-0
+        m.d.comb += bzero[2].eq(B2[0:31] == 0)
+        for s in (3, 4):
+            bzero[s] = Signal(name=f"bzero{s}")
+            m.d.sync += bzero[s].eq(bzero[s - 1])
+        s4 = Signal(32)                                   # SCALE's score (E4)
+        s5 = Signal(32)
+        m.d.comb += [s4.eq(Mux(st[4].flag, mul.o, NEG_INF32)),
+                     p10.eq(Mux(empty[10], 0, cv.o)),
+                     tmx.a.eq(T), tmx.b.eq(s5)]
+        m.d.sync += s5.eq(s4)
+
+        # T: LOADT (E2), SCALE's max fold (E5), PEXP's sum fold (E16)
+        with m.If(at(2, PeOp.LOADT)):
+            m.d.sync += T.eq(A2)
+        with m.If(at(5, PeOp.SCALE)):
+            m.d.sync += T.eq(Mux(st[5].first, s5, tmx.o))
+        with m.If(px[16]):
+            m.d.sync += T.eq(mac.o)
+
+        # --- the register-file write: the op whose write stage it is (at most
+        # one per cycle by the schedule), as an AND-OR of the candidates
+        cands = [(PeOp.MSET, U, 1), (PeOp.SETZ, 0, 1), (PeOp.SETNI, NEG_INF32, 1),
+                 (PeOp.SCALE, s4, 1), (PeOp.RESC, mul.o, 1),
+                 (PeOp.FINAL, Mux(bzero[4], 0, mul.o), 1),
+                 (PeOp.MAC, mac.o, ~st[5].flag), (PeOp.LADD, add.o, 1),
+                 (PeOp.MALPHA, Mux(empty[9], ONE32, ex.o), 1), (PeOp.PEXP, p10, 1)]
+        wdata, waddr, wen = 0, 0, 0
+        for op, value, en in cands:
+            s = tm[op].write
+            hit = Signal(name=f"wr_{op.name.lower()}")
+            m.d.comb += hit.eq(at(s, op))
+            wdata = wdata | Mux(hit, value, 0)
+            waddr = waddr | Mux(hit, st[s].wa, 0)
+            wen = wen | (hit & en)
+        m.d.comb += [wp.data.eq(wdata), wp.addr.eq(waddr), wp.en.eq(wen)]
+        m.d.sync += self.pnz.eq(at(10, PeOp.PEXP) & (p10[0:15] != 0))
         return m

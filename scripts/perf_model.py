@@ -155,14 +155,13 @@ def rtl_program_cycles(config: NPUConfig, head_dim: int) -> dict | None:
     """Run-time lengths (cycles) of the core's micro-programs, read from the RTL.
 
     ``flashnpu.hdl.core`` builds the init, softmax and final programs as
-    lists of control words; this walks them the way the core's sequencer
-    does: one word per cycle, O-column words beyond ``od = ceil(head_dim/C)``
-    skipped, and a word that waits for a return register stalls until it
-    has arrived: a reciprocal ``Recip.LATENCY`` + 1 cycles and a row
-    reduction ``RowReduce.LATENCY`` (log2 C tree levels) + 1 cycles after
-    the word that started it (one cycle for the registered control word;
-    both figures reproduce the RTL's softmax counter exactly at 4x4 and
-    8x8, where the tree wait first costs a cycle).
+    scheduled lists of control words, one variant per O-column count
+    ``od = ceil(head_dim / C)``; this walks that variant the way the core's
+    sequencer does: one word per cycle, and a word that waits for a return
+    register stalls until it has arrived, ``RowReduce.LATENCY`` (tree) or
+    ``Recip.LATENCY`` cycles + 1 after the word that started it.  A
+    scheduled program never stalls (``tb/unit/test_array.py``), so this is
+    its length; the walk keeps the model honest if that ever changes.
 
     Returns
     -------
@@ -176,29 +175,27 @@ def rtl_program_cycles(config: NPUConfig, head_dim: int) -> dict | None:
         from flashnpu.hdl.core import final_program, init_program, softmax_program
         from flashnpu.hdl.fpu import Recip
         from flashnpu.hdl.pe import TreeOp
-        tree_latency = config.array_cols.bit_length() - 1      # RowReduce.LATENCY = log2(C)
+        from flashnpu.hdl.reduce import tree_latency
+        tree_lat = tree_latency(config.array_cols)
         od = config.o_cols_per_pe(head_dim)
-        odm = config.o_cols_per_pe(config.max_head_dim)
 
         def run(prog):
-            t, pc, ready = 0, 0, {}
-            while pc < len(prog):
-                w = prog[pc]
+            t, ready = 0, {}
+            for w in prog:
                 ctl = w["ctl"]
                 if w.get("wait") and ctl["ret_sel"] in ready:
                     t = max(t, ready[ctl["ret_sel"]])
                 if ctl.get("rcp"):
                     ready[ctl["tag"]] = t + 1 + Recip.LATENCY
                 if ctl.get("tree", TreeOp.NONE) != TreeOp.NONE:
-                    ready[ctl["tag"]] = t + 1 + tree_latency
+                    ready[ctl["tag"]] = t + 1 + tree_lat
                 t += 1
                 if w.get("last"):
                     break
-                pc += 1 + (odm - od if w.get("ocol") and w.get("n") == od - 1 else 0)
             return t
 
-        return dict(init=run(init_program(config)), softmax=run(softmax_program(config)),
-                    final=run(final_program(config)))
+        return dict(init=run(init_program(config, od)), softmax=run(softmax_program(config, od)),
+                    final=run(final_program(config, od)))
     except Exception:            # no RTL yet, or a program of another form: use the formulas
         return None
 
@@ -225,6 +222,10 @@ class Timing:
         reduction-tree level, and exp2 pipeline latency.
     recip_cycles : int
         Latency of one reciprocal (27 cycles, the RTL's ``Recip.LATENCY``).
+    mac_recurrence : int
+        Issue distance between two MACs on one accumulator (4 cycles, the
+        RTL's ``pe.MAC_RECURRENCE``): a k round of the S or P.V loop with
+        fewer accumulators per PE waits out the difference.
     qtile_gap_cycles : int
         Cycles per q tile outside the micro-programs and the MAC phases: the
         core passes through WAIT_K for one cycle after INIT even when K is
@@ -276,9 +277,10 @@ class Timing:
     final_override: int | None = None
     use_rtl_programs: bool = True
     elem_cycles: int = 1
-    tree_level_cycles: int = 1
+    tree_level_cycles: int = 4
     exp2_latency: int = 4
     recip_cycles: int = 27
+    mac_recurrence: int = 4
     qtile_gap_cycles: int = 1
     first_tile_fixed_cycles: int | None = None
     start_conflict_rows: int = 8
@@ -295,6 +297,10 @@ class Timing:
     spill_bytes_per_cycle: int | None = None
     offchip_bytes_per_cycle: int = 64
     offchip_latency_cycles: int = 150
+
+    def mac_gap(self, accumulators: int) -> int:
+        """Bubble cycles after a MAC round over ``accumulators`` registers."""
+        return max(0, self.mac_recurrence - accumulators)
 
     def _rtl(self, config, head_dim):
         return rtl_program_cycles(config, head_dim) if self.use_rtl_programs else None
@@ -648,8 +654,11 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     q_tiles = units * nq
 
     # --- cycles ---------------------------------------------------------------
-    s_cyc = d * wr * wc                            # one MAC per PE per cycle
-    pv_cyc = bc * wr * od
+    # one MAC per PE per cycle; a k round with fewer accumulators than the
+    # MAC's recurrence waits out the rest (``core.gap_s``, ``gap_pv_cycles``)
+    s_mac, pv_mac = d * wr * wc, bc * wr * od
+    s_cyc = s_mac + (d - 1) * t.mac_gap(wr * wc)
+    pv_cyc = pv_mac + (bc - 1) * t.mac_gap(wr * od)
     sm_cyc = t.softmax_cycles(config, d)
     sm_exposed = 0 if t.overlap_softmax else sm_cyc
     pair_cyc = s_cyc + sm_exposed + pv_cyc
@@ -813,7 +822,7 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     job_cycles = job.group + 2                    # DIV (heads / kv_heads) and CHECK
 
     # --- counters ----------------------------------------------------------------
-    mac_busy = pairs * (s_cyc + pv_cyc)
+    mac_busy = pairs * (s_mac + pv_mac)
     mac_ops = mac_busy * R * C                    # every PE issues a MAC slot per MAC cycle
     # one PEXP cycle per S element of a PE and one MALPHA cycle per row, on
     # every PE: each PE of a row evaluates the row's alpha itself
@@ -821,14 +830,14 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     recip_ops = q_tiles * br
     softmax_cycles = pairs * sm_cyc
     spill_cycles = pairs * spill_cyc_pair
-    total = (mac_busy + pairs * sm_exposed + q_tiles * qtile_cyc + dma_stall + spill_cycles
+    total = (pairs * (s_cyc + pv_cyc) + pairs * sm_exposed + q_tiles * qtile_cyc + dma_stall + spill_cycles
              + drain_cycles + job_cycles)
 
     # Register-file accesses (4 bytes each), from the core's control words:
     # a MAC slot reads and writes its accumulator; P·V reads the P operand
     # once per PV cycle in each PE row; the softmax program per PE:
     # SCALE, PEXP (r+w per S element), MALPHA (r m, w alpha), MSET (w m),
-    # RESC (r alpha, r+w O_acc), LUPD (r alpha, r+w l); per q tile: init
+    # RESC (r alpha, r+w O_acc and l), LADD (r+w l); per q tile: init
     # (w m, l, O_acc), final (r l; r O, r l, w O per O column) and read-out
     # (r O).  ASSUMPTION: operand buffers (Q, K, V) are not register files.
     RC = R * C

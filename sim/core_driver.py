@@ -268,6 +268,7 @@ class CoreDriver:
             phase = self.Phase(io.get("reg_err_phase"))
             raise RegisterCheckError(
                 f"PE register {reg} ({register_name(self.cfg, reg)}) read before it was written "
+                f"or while a write to it was in flight "
                 f"(phase {phase.name}, kv tile {tile}); the core stopped", reg, phase, tile)
 
     async def run_job(self, job: QTileJob, pause=(), max_cycles=2_000_000, inject=0) -> CoreRun:

@@ -593,6 +593,7 @@ def run(case, config: NPUConfig, args):
     if res["error"]:
         rc = res.get("reg_check")
         where = (f"; PE register {rc['reg']} ({rc['reg_name']}) was read before it was written "
+                 f"or while a write to it was in flight "
                  f"(core phase {rc['phase']}, kv tile {rc['tile']})") if rc else ""
         raise RuntimeError(f"the NPU rejected or aborted the job: {NPUError(res['error']).name}"
                            f" (dma code {res['dma_code']}){where}")

@@ -11,7 +11,7 @@ from amaranth.sim import Simulator
 
 from flashnpu.config import DEFAULT, small_config
 from flashnpu.golden import ComparisonError
-from flashnpu.hdl.core import Core, PausePoint, cmd_layout, softmax_program
+from flashnpu.hdl.core import Core, PausePoint, cmd_layout, final_program, init_program, softmax_program
 from flashnpu.hdl.pe import PeOp, RegMap, TreeOp
 from flashnpu.sim.core_driver import AmaranthIo, CoreDriver, check_run, make_job
 from flashnpu.sim.packing import pack
@@ -90,6 +90,27 @@ def test_a2_beyond_fp16_range():
     assert np.allclose(run.o[0], v[0, 0].astype(np.float32), rtol=1e-3)
 
 
+def test_p1_running_max_never_goes_down():
+    """Case P1: tile 0's scaled logits are about +100 (log2 units) with V = 1,
+    tile 1's about -100 with V = 2.  O = 1.0 exactly, and every rescale
+    factor alpha the PEs hold after each tile is <= 1 (taking the tile max
+    instead of max(m_old, tile max) would give 2^200)."""
+    hd, bc = 4, CFG2.bc
+    c = 0.5 * 1.4426950408889634                  # scale * log2 e at head_dim 4
+    kval = np.float16(100 / c / (4 * 4))           # q . k = 4 * 4 * kval = 100 / c
+    q = np.full((1, 1, hd), 4, np.float16)
+    k = np.concatenate([np.full((1, bc, hd), kval), np.full((1, bc, hd), -kval)], 1)
+    v = np.concatenate([np.full((1, bc, hd), 1), np.full((1, bc, hd), 2)], 1).astype(np.float16)
+    job = make_job(CFG2, hd, 1, 2 * bc, q=q, k=k.astype(np.float16), v=v)
+    run = simulate(CFG2, job, pause=(PausePoint.TILE,))
+    check_run(job, run)
+    assert (run.o[0, :hd] == 1.0).all()
+    g = RegMap(CFG2)
+    for tile in (0, 1):
+        alpha = run.regs[(tile, PausePoint.TILE)][:, :, [g.ALPHA(a) for a in range(g.wr)]]
+        assert (alpha.view(np.float32) <= 1.0).all(), tile
+
+
 def test_padding_garbage_does_not_change_valid_rows():
     outs = []
     for fill in (-42.0, 65504.0, float("nan")):
@@ -137,17 +158,25 @@ def test_bad_command_is_rejected(head_dim, n_kv):
     assert seen == {"err": 1, "busy": 0}
 
 
-def test_softmax_program_is_short_and_complete():
+def test_programs_are_complete_and_never_wait():
+    """Every variant of the scheduled programs holds its ops, and its
+    return-register reads come after the results arrive, so the run-time
+    wait never stalls (the perf model's walk, which stalls like the core,
+    equals the program length)."""
+    from flashnpu.scripts.perf_model import rtl_program_cycles
     for cfg in (CFG2, CFG4, DEFAULT):
-        prog = softmax_program(cfg)
-        ops = [w["ctl"]["op"] for w in prog]
         wr, wc = cfg.rows_per_pe, cfg.cols_per_pe
-        od = cfg.o_cols_per_pe(cfg.max_head_dim)
-        assert ops.count(PeOp.SCALE) == wr * wc and ops.count(PeOp.PEXP) == wr * wc
-        assert ops.count(PeOp.MALPHA) == wr and ops.count(PeOp.LUPD) == wr
-        assert ops.count(PeOp.RESC) == wr * od
-        trees = [w["ctl"]["tree"] for w in prog]
-        assert trees.count(TreeOp.MAX) == wr and trees.count(TreeOp.SUM) == wr
-        assert sum(w["pause"] for w in prog) == 1 and prog[-1]["last"] == 1
-    # default array: no more than 8 words beyond the ops themselves
-    assert len(softmax_program(DEFAULT)) <= 2 * 4 + 2 + 2 * 2 + 8 + 2 + 8
+        for od in range(1, cfg.o_cols_per_pe(cfg.max_head_dim) + 1):
+            prog = softmax_program(cfg, od)
+            ops = [w["ctl"]["op"] for w in prog]
+            assert ops.count(PeOp.SCALE) == wr * wc and ops.count(PeOp.PEXP) == wr * wc
+            assert ops.count(PeOp.MALPHA) == wr and ops.count(PeOp.LADD) == wr
+            assert ops.count(PeOp.RESC) == wr * od + wr
+            trees = [w["ctl"]["tree"] for w in prog]
+            assert trees.count(TreeOp.MAX) == wr and trees.count(TreeOp.SUM) == wr
+            assert sum(w["pause"] for w in prog) == 1 and prog[-1]["last"] == 1
+            assert sum(w["last"] for w in prog) == 1
+            hd = min(od * cfg.array_cols, cfg.max_head_dim)
+            walked = rtl_program_cycles(cfg, hd)
+            assert walked == {"init": len(init_program(cfg, od)), "softmax": len(prog),
+                              "final": len(final_program(cfg, od))}, (cfg.array_rows, od)

@@ -78,3 +78,35 @@ def test_register_check_fires_only_on_injection():
     # per-tile, so the k = 1 step of tile 1 reads an unwritten register
     assert isinstance(drop, RegisterCheckError), drop
     assert (drop.reg, drop.phase, drop.tile) == (g.S(0, 0), Phase.S, 1)
+
+
+def test_register_check_catches_a_pending_write():
+    """With one S accumulator per PE (Br = R, Bc = C) the S loop must leave
+    MAC_RECURRENCE - 1 bubbles between k rounds; without them (NO_GAP) the
+    k = 1 MAC reads S(0, 0) while the k = 0 MAC's write is still in the
+    pipeline, and the check stops the core there."""
+    cfg = small_config(2, 2, max_head_dim=16, br=2, bc=2)
+    g = RegMap(cfg)
+    assert g.wr * g.wc == 1
+    job = make_job(cfg, 8, 2, 4, seed=3)
+    out = {}
+    for inject in (0, 1 << Inject.NO_GAP):
+        dut = Core(cfg)
+
+        async def tb(ctx, dut=dut, inject=inject):
+            drv = CoreDriver(AmaranthIo(ctx, dut), cfg, seed=0)
+            drv.idle_inputs()
+            try:
+                out[inject] = await drv.run_job(job, inject=inject, max_cycles=20_000)
+            except RegisterCheckError as e:
+                out[inject] = e
+
+        sim = Simulator(dut)
+        sim.add_clock(1e-8)
+        sim.add_testbench(tb)
+        sim.run()
+    check_run(job, out[0])
+    err = out[1 << Inject.NO_GAP]
+    assert isinstance(err, RegisterCheckError), err
+    assert (err.reg, err.phase, err.tile) == (g.S(0, 0), Phase.S, 0)
+    assert "in flight" in str(err)

@@ -1,7 +1,9 @@
 """amaranth.sim unit tests of one PE and of the row-reduction tree: every
 opcode against ``golden.numerics`` bit for bit, including the special rows
 (empty row: m = -inf, alpha = 1, P = 0; l == 0 -> O = 0; P == 0 skips the
-MAC)."""
+MAC).  Ops are issued one at a time and the pipeline drained after each,
+except in the MAC stream test, which issues a MAC every cycle on
+``MAC_RECURRENCE`` interleaved accumulators as the S and P.V loops do."""
 
 import numpy as np
 import pytest
@@ -9,7 +11,7 @@ from amaranth.sim import Simulator
 
 from flashnpu.config import small_config
 from flashnpu.golden import numerics as nx
-from flashnpu.hdl.pe import NEG_INF32, Pe, PeOp, TreeOp, ctl_layout
+from flashnpu.hdl.pe import MAC_RECURRENCE, NEG_INF32, PIPE_DEPTH, Pe, PeOp, TreeOp, ctl_layout
 from flashnpu.hdl.reduce import RowReduce
 from flashnpu.sim.packing import pack
 
@@ -33,10 +35,12 @@ def _run(tb_body):
     async def tb(ctx):
         lay = ctl_layout(CFG)
 
-        async def op(**kw):
+        async def op(drain=True, **kw):
             ctx.set(dut.ctl.as_value(), pack(lay, kw))
             await ctx.tick()
             ctx.set(dut.ctl.as_value(), 0)
+            if drain:
+                await ctx.tick().repeat(PIPE_DEPTH)
 
         async def read(addr):
             ctx.set(dut.sa, addr)
@@ -50,11 +54,11 @@ def _run(tb_body):
 
 async def _load(ctx, dut, op, addr, value_bits):
     """Put a binary32 pattern into a register: S = mac(0, x16, 1.0) cannot
-    hold every binary32, so use LUPD: A * B + ret with A = B = 0 registers
-    (SETZ) -> ret exactly (add32(+0, x) = x for normal x and zeros)."""
+    hold every binary32, so use LADD: A + ret with A = +0 (SETZ) -> ret
+    exactly (add32(+0, x) = x for normal x and zeros)."""
     await op(op=PeOp.SETZ, wa=60)
     ctx.set(dut.ret, value_bits)
-    await op(op=PeOp.LUPD, ra=60, rb=60, wa=addr)
+    await op(op=PeOp.LADD, ra=60, wa=addr)
 
 
 VALS = [0.0, 1.5, -3.25, 1e-3, 7.0e4, -2.0 ** -120, 3.0e38]
@@ -77,6 +81,55 @@ def test_mac_and_skip():
                 acc = nx.mac(np.float32(0) if i == 0 else acc, a16[i], b16[i])
         got = await read(3)
         assert got == int(np.float32(acc).view(U32)), (hex(got), acc)
+    _run(body)
+
+
+def test_mac_stream_on_interleaved_accumulators():
+    """One MAC per cycle, accumulators 0..MAC_RECURRENCE-1 in turn: each
+    MAC reads the result its predecessor on the same register wrote
+    ``MAC_RECURRENCE`` cycles earlier (P1: the accumulation dependence)."""
+    rng = np.random.default_rng(2)
+    n = MAC_RECURRENCE
+    a16 = rng.standard_normal((12, n)).astype(np.float16)
+    b16 = rng.standard_normal((12, n)).astype(np.float16)
+
+    async def body(ctx, dut, op, read):
+        for k in range(12):
+            for r in range(n):
+                ctx.set(dut.a16, int(a16[k, r].view(np.uint16)))
+                ctx.set(dut.b16, int(b16[k, r].view(np.uint16)))
+                await op(drain=False, op=PeOp.MAC, ra=r, wa=r, first=int(k == 0))
+        await ctx.tick().repeat(PIPE_DEPTH)
+        for r in range(n):
+            acc = np.float32(0)
+            for k in range(12):
+                acc = nx.mac(acc, a16[k, r], b16[k, r])
+            assert await read(r) == b32(acc), r
+    _run(body)
+
+
+def test_p3_two_latencies_one_write_port():
+    """Case P3: a long-latency op (MALPHA: exp2, writes in stage 9) for one
+    row issued the cycle before short ones for the next (SCALE: stage 4,
+    MSET: stage 2), all through the one write port: each result lands in
+    its own register and nothing is dropped."""
+    c = nx.scale_log2e(0.125)
+
+    async def body(ctx, dut, op, read):
+        ctx.set(dut.cst, b32(c))
+        await _load(ctx, dut, op, 10, b32(2.0))           # m_old of row 0
+        await _load(ctx, dut, op, 3, b32(1.5))            # a score of row 1
+        ctx.set(dut.ret, b32(3.5))                        # row 0's tile max
+        ctx.set(dut.vis, 1)
+        await op(drain=False, op=PeOp.MALPHA, ra=10, wa=11)
+        await op(drain=False, op=PeOp.SCALE, ra=3, wa=4, first=1)
+        await op(drain=False, op=PeOp.MSET, wa=12)
+        await ctx.tick().repeat(PIPE_DEPTH)
+        m_new = nx.max32(np.float32(2.0), np.float32(3.5))
+        assert await read(11) == b32(nx.exp2(nx.sub32(np.float32(2.0), m_new)))
+        assert await read(4) == b32(nx.mul32(np.float32(1.5), c))
+        assert await read(12) == b32(m_new)
+        assert await read(3) == b32(1.5) and await read(10) == b32(2.0)
     _run(body)
 
 
@@ -134,14 +187,15 @@ def test_malpha_pexp_mset(m_old, m_tile):
     _run(body)
 
 
-def test_lupd_resc_final():
+def test_ladd_resc_final():
     async def body(ctx, dut, op, read):
         alpha, l_old, l_tile, o = np.float32(0.75), np.float32(3.5), np.float32(1.25), np.float32(-2.5)
         await _load(ctx, dut, op, 1, b32(alpha))
         await _load(ctx, dut, op, 2, b32(l_old))
         await _load(ctx, dut, op, 3, b32(o))
         ctx.set(dut.ret, b32(l_tile))
-        await op(op=PeOp.LUPD, ra=1, rb=2, wa=2)
+        await op(op=PeOp.RESC, ra=1, rb=2, wa=2)
+        await op(op=PeOp.LADD, ra=2, wa=2)
         l_new = nx.add32(nx.mul32(alpha, l_old), l_tile)
         assert await read(2) == b32(l_new)
         await op(op=PeOp.RESC, ra=1, rb=3, wa=3)
