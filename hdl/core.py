@@ -10,7 +10,7 @@ the default 32 x 32 array); the PE's MAC is pipelined (``pe.OP_TIMING``), so
 each k round must touch at least ``MAC_RECURRENCE`` (4) accumulators and a
 round with fewer (wr*od < 4 at small head_dim) is followed by bubbles
 (``gap_s``, ``gap_pv_cycles``).  The softmax between them is a statically
-scheduled micro-program (``softmax_program``, 89 cycles at 32 x 32: two
+scheduled micro-program (``softmax_program``, 88 cycles at 32 x 32: two
 trips through the 20-cycle pipelined row tree dominate) because every PE
 only owns a 2 x 2 block of the score tile; it is not yet overlapped with
 the MACs of the next kv tile.  Masking is computed per PE from row and
@@ -350,7 +350,8 @@ class Core(wiring.Component):
         Test-only faults, bits ``Inject`` (0 in normal use).
     reg_err : Out(1)
         A PE register was read before it was written, or while an earlier
-        op's write to it was still in the pipeline (see ``_register_check``); the core stopped (IDLE, no ``done``, no O beats; the buffers
+        op's write to it was still in the pipeline (see ``_register_check``);
+        the core stopped (IDLE, no ``done``, no O beats; the buffers
         keep their state, so reset it before the next command).  Sticky until
         the next accepted command.
     reg_err_addr : Out(log2 regs); reg_err_phase : Out(Phase); reg_err_tile : Out(LEN_BITS)
@@ -773,9 +774,13 @@ class Core(wiring.Component):
             m.d.comb += arr.row_a16[r].eq(bufs.q_data[r].word_select(k_d, 16))
         hd = cmd.head_dim
         for c in range(C):
+            # the V lane of PE column c (od*c + n) and whether it is within
+            # head_dim, computed in the issue cycle and registered, so only
+            # the lane mux sits between the V buffer and the column bus
             lane = Signal(range(odm * C + 1), name=f"vlane{c}")
-            m.d.comb += lane.eq(od * c + n_d)
-            vval = Mux(lane < hd, bufs.v_data.word_select(lane, 16), 0)
+            lane_ok = Signal(name=f"vlane_ok{c}")
+            m.d.sync += [lane.eq(od * c + iss_n), lane_ok.eq(od * c + iss_n < hd)]
+            vval = Mux(lane_ok, bufs.v_data.word_select(lane, 16), 0)
             m.d.comb += arr.col_b16[c].eq(Mux(ctl_d.pv, vval, bufs.k_data[c].word_select(k_d, 16)))
         # visibility: i = q_row0 + wr r + a, j = kv0 + wc c + b
         #   row valid: i < seq_q; key valid: j < seq_kv and j < kv_valid_len;
@@ -831,7 +836,8 @@ class Core(wiring.Component):
         st = [Signal(rec, name=f"chk_st{i}") for i in range(n_st)]
         m.d.comb += [st[0].op.eq(ctl_d.op), st[0].wa.eq(ctl_d.wa), st[0].first.eq(ctl_d.first),
                      st[0].skipz.eq(ctl_d.skipz)]
-        ra1, rb1 = Signal.like(ctl_d.ra), Signal.like(ctl_d.rb)
+        ra1 = Signal.like(ctl_d.ra, name="chk_ra1")
+        rb1 = Signal.like(ctl_d.rb, name="chk_rb1")
         m.d.sync += [ra1.eq(ctl_d.ra), rb1.eq(ctl_d.rb)]
         for i in range(1, n_st):
             m.d.sync += st[i].eq(st[i - 1])
@@ -852,9 +858,9 @@ class Core(wiring.Component):
         m.d.comb += [wr_now_s.eq(wr_now), pend_ab.eq(sum_or(pend[RF_READ_STAGE + 1:])),
                      pend_s.eq(sum_or(pend))]
         rd = st[RF_READ_STAGE]
-        rd_a, rd_b = Signal(), Signal()
+        rd_a, rd_b = Signal(name="chk_rd_a"), Signal(name="chk_rd_b")
         with m.Switch(rd.op):
-            for op, (ua, ub, uw) in RF_USE.items():
+            for op, (ua, ub, _uw) in RF_USE.items():
                 with m.Case(op):
                     if op == PeOp.MAC:
                         m.d.comb += rd_a.eq(~rd.first)

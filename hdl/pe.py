@@ -283,7 +283,11 @@ class Pe(wiring.Component):
         m = Module()
         ctl = self.ctl
         ab = _bits(self.config.pe_registers)
-        m.submodules.rf = rf = Memory(shape=32, depth=self.config.pe_registers, init=[])
+        # ``ram_style``: FPGA flows build it from LUT RAM and flip-flops, not
+        # block RAM (an ECP5 DP16KD's read register alone has 5.8 ns
+        # clock-to-out, the longest path of the placed 2x2 core otherwise)
+        m.submodules.rf = rf = Memory(shape=32, depth=self.config.pe_registers, init=[],
+                                      attrs={"ram_style": "distributed"})
         wp = rf.write_port()
         # Read ports with the data registered after the read mux, made
         # transparent by a bypass: a read of the register written in the
