@@ -146,11 +146,12 @@ class PeRow(wiring.Component):
     col_b16 : In(ArrayLayout(16, C))  K or V operand of each PE column
     psel : In(range(C))         P.V: PE column whose ``sd`` drives the P broadcast
     cst : In(32)                score constant
-    vis : In(C)                 visibility bit of each PE (SCALE ops)
+    vis : In(C)                 visibility bit of each PE (SCALE and MAC ops)
     sa : In(log2 regs)          synchronous read address (one cycle ahead)
     sd : Out(ArrayLayout(32, C))  every PE's synchronous read data
     pnz : Out(range(C + 1))     non-zero P written by the row's PEXP ops (registered
                                 again: 2 cycles after the op)
+    msk : Out(range(C + 1))     masked (skipped) MACs of the row, 2 cycles after the op
     ev_tree, ev_tree_tag, ev_rcp, ev_rcp_tag : Out
         the tree / the reciprocal delivers a result with this tag this cycle
         (it is in the return registers from the next cycle)
@@ -165,7 +166,7 @@ class PeRow(wiring.Component):
             "ctl": In(ctl_layout(config)), "q16": In(16),
             "col_b16": In(data.ArrayLayout(16, C)), "psel": In(range(C)), "cst": In(32),
             "vis": In(C), "sa": In(_bits(config.pe_registers)),
-            "sd": Out(data.ArrayLayout(32, C)), "pnz": Out(range(C + 1)),
+            "sd": Out(data.ArrayLayout(32, C)), "pnz": Out(range(C + 1)), "msk": Out(range(C + 1)),
             "ev_tree": Out(1), "ev_tree_tag": Out(tagw), "ev_rcp": Out(1), "ev_rcp_tag": Out(tagw),
         })
 
@@ -231,11 +232,14 @@ class PeRow(wiring.Component):
                 m.submodules[f"pe{c}"] = Instance(
                     PE_MODULE, i_clk=ClockSignal(), i_rst=ResetSignal(),
                     i_ctl=pe.ctl.as_value(), i_a16=pe.a16, i_b16=pe.b16, i_cst=pe.cst,
-                    i_vis=pe.vis, i_ret=pe.ret, i_sa=pe.sa, o_sd=pe.sd, o_t=pe.t, o_pnz=pe.pnz)
+                    i_vis=pe.vis, i_ret=pe.ret, i_sa=pe.sa, o_sd=pe.sd, o_t=pe.t, o_pnz=pe.pnz,
+                    o_msk=pe.msk)
             else:
                 m.submodules[f"pe{c}"] = pe
         # S-tile check: the row's count of non-zero P (one register stage)
         m.d.sync += self.pnz.eq(sum(pe.pnz for pe in pes))
+        # skipped-MAC count (one register stage)
+        m.d.sync += self.msk.eq(sum(pe.msk for pe in pes))
         return m
 
 
@@ -262,7 +266,7 @@ class PeArray(wiring.Component):
     cst : In(32)
         Score constant (binary32).
     vis : In(ArrayLayout(1, R * C))
-        Visibility bit of PE (r, c) at index r * C + c (SCALE ops).
+        Visibility bit of PE (r, c) at index r * C + c (SCALE and MAC ops).
     sa : In(log2 regs)
         Synchronous read address of every PE (one cycle ahead of use).
     rd_row : In(range(R))
@@ -273,6 +277,9 @@ class PeArray(wiring.Component):
     pnz : Out(range(R * C + 1))
         Non-zero P written by PEXP ops over the array, 3 cycles after the
         op (PE, row and array register stages): the S-tile check's input.
+    msk : Out(range(R * C + 1))
+        MACs skipped at masked positions over the array, 3 cycles after the
+        op: the core's ``ops_masked``.
     ev_tree, ev_tree_tag : Out(1), Out(tag)
         PE row 0's tree delivers a result with this tag this cycle (it is in
         the return registers from the next cycle; all rows run in lockstep).
@@ -295,6 +302,7 @@ class PeArray(wiring.Component):
             "sa": In(_bits(config.pe_registers)),
             "rd_row": In(range(R)),
             "rd_data": Out(data.ArrayLayout(32, C)), "pnz": Out(range(R * C + 1)),
+            "msk": Out(range(R * C + 1)),
             "ev_tree": Out(1), "ev_tree_tag": Out(_bits(3 * config.rows_per_pe)),
             "ev_rcp": Out(1), "ev_rcp_tag": Out(_bits(3 * config.rows_per_pe)),
         })
@@ -320,7 +328,7 @@ class PeArray(wiring.Component):
                     ROW_MODULE, i_clk=ClockSignal(), i_rst=ResetSignal(),
                     i_ctl=row.ctl.as_value(), i_q16=row.q16, i_col_b16=row.col_b16.as_value(),
                     i_psel=row.psel, i_cst=row.cst, i_vis=row.vis, i_sa=row.sa,
-                    o_sd=row.sd.as_value(), o_pnz=row.pnz, o_ev_tree=row.ev_tree,
+                    o_sd=row.sd.as_value(), o_pnz=row.pnz, o_msk=row.msk, o_ev_tree=row.ev_tree,
                     o_ev_tree_tag=row.ev_tree_tag, o_ev_rcp=row.ev_rcp, o_ev_rcp_tag=row.ev_rcp_tag)
             else:
                 m.submodules[f"row{r}"] = row
@@ -330,4 +338,5 @@ class PeArray(wiring.Component):
         m.d.comb += self.rd_data.eq(sd_rows[self.rd_row])
         # S-tile check: non-zero P over the array, 3 cycles after the PEXP op
         m.d.sync += self.pnz.eq(sum(row.pnz for row in rows))
+        m.d.sync += self.msk.eq(sum(row.msk for row in rows))
         return m

@@ -81,7 +81,7 @@ import enum
 from types import SimpleNamespace
 
 from amaranth.back import verilog
-from amaranth.hdl import Array, Cat, Const, Module, Mux, Signal
+from amaranth.hdl import Array, Cat, Const, Module, Mux, Signal, signed
 from amaranth.lib import data, stream, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
@@ -344,8 +344,16 @@ class Core(wiring.Component):
         buffer, of the last kv tile (from its first S step to the end of its
         P.V), and summed over the kv tiles.
     ops_mac, ops_exp2, ops_recip : Out(48)
-        MAC slots (R*C per MAC cycle, skipped P.V MACs included), exp2
+        MAC slots (R*C per MAC cycle, skipped MACs included), exp2
         evaluations (R*C per PEXP/MALPHA cycle), reciprocals (R per start).
+    ops_masked : Out(48)
+        MAC slots at masked positions, counted from the PEs' own skip bits
+        (``Pe.msk``): none of them wrote or fed its multiplier the bus
+        operands.  Masked: the position (Q.K: the S element's; P.V: the P on
+        the row bus) is invisible by the causal, padding or kv_valid_len
+        rules.  The attention mask's bits arrive for the softmax (after
+        Q.K), so they mask SCALE only; a P they mask is 0 and its P.V MACs
+        skip their writes (``skipz``) without being counted.
     inject : In(len(Inject))
         Test-only faults, bits ``Inject`` (0 in normal use).
     reg_err : Out(1)
@@ -383,7 +391,7 @@ class Core(wiring.Component):
             "dbg_addr": In(ab), "dbg_row": In(range(R)), "dbg_data": Out(data.ArrayLayout(32, C)),
             "cnt_total": Out(32), "cnt_mac": Out(32), "cnt_softmax": Out(32), "cnt_stall": Out(32),
             "cnt_tile_last": Out(32), "cnt_tile_sum": Out(32),
-            "ops_mac": Out(48), "ops_exp2": Out(48), "ops_recip": Out(48),
+            "ops_mac": Out(48), "ops_exp2": Out(48), "ops_recip": Out(48), "ops_masked": Out(48),
             "inject": In(len(Inject)), "reg_err": Out(1), "reg_err_addr": Out(ab),
             "reg_err_phase": Out(Phase), "reg_err_tile": Out(LEN_BITS),
             "pnz": Out(range(R * C + 1)),
@@ -410,7 +418,7 @@ class Core(wiring.Component):
         ctl_d = self._operands(m, s, arr, bufs)
         m.d.comb += s.ctl_op.eq(ctl_d.op)
         self._register_check(m, s, arr, ctl_d, in_out)
-        self._counters(m, s, ctl_d)
+        self._counters(m, s, ctl_d, arr)
         return m
 
     # ------------------------------------------------------------ ROM programs
@@ -459,7 +467,10 @@ class Core(wiring.Component):
         resume_pc = Signal.like(pc)
         pause_at = Signal(PausePoint)
         tile = Signal(LEN_BITS)                # kv tile, 0..n_kv
-        kv0 = Signal(LEN_BITS + 1)            # first key of the kv tile (tile * Bc)
+        # visibility terms of the kv tile (see ``_operands``)
+        vis_d = Signal(signed(LEN_BITS + 3))   # kv0 + seq_q - q_row0 - seq_kv
+        vis_e = Signal(signed(LEN_BITS + 3))   # min(seq_kv, kv_valid_len) - kv0
+        vis_f = Signal(signed(LEN_BITS + 2))   # seq_q - q_row0
         k = Signal(range(max(mhd, Bc) + 1))
         kc = Signal(range(C))                 # k // wc (P.V)
         kb = Signal(range(wc))                # k % wc (P.V)
@@ -526,7 +537,7 @@ class Core(wiring.Component):
         s = SimpleNamespace(
             cmd=cmd, od=od, full=full, release=release, pc=pc, word=word, base=base,
             phase=phase, resume_to=resume_to, resume_pc=resume_pc, pause_at=pause_at,
-            tile=tile, kv0=kv0, k=k, kc=kc, kb=kb, a=a, b=b, n=n,
+            tile=tile, vis_d=vis_d, vis_e=vis_e, vis_f=vis_f, k=k, kc=kc, kb=kb, a=a, b=b, n=n,
             half=half, k_sel=k_sel, v_sel=v_sel, k_ok=k_ok, v_ok=v_ok, m_ok=m_ok,
             iss=iss, iss_a=iss_a, iss_b=iss_b, iss_k=iss_k, iss_n=iss_n, iss_kc=iss_kc,
             sa_pv=sa_pv, use_pv_sa=use_pv_sa, o_r=o_r, o_a=o_a, o_n=o_n, primed=primed,
@@ -606,7 +617,10 @@ class Core(wiring.Component):
                     with m.If(~bad):
                         m.d.comb += s.accept.eq(1)
                         m.d.sync += [cmd.eq(p), phase.eq(Phase.INIT), pc.eq(base("init", od_new)),
-                                     tile.eq(0), s.kv0.eq(0), s.od.eq(od_new)]
+                                     tile.eq(0), s.od.eq(od_new),
+                                     s.vis_d.eq(p.seq_q - p.q_row0 - p.seq_kv),
+                                     s.vis_e.eq(Mux(p.seq_kv < p.kv_valid_len, p.seq_kv, p.kv_valid_len)),
+                                     s.vis_f.eq(p.seq_q - p.q_row0)]
             with m.Case(Phase.INIT):
                 def init_last():
                     m.d.sync += phase.eq(Phase.WAIT_K)
@@ -681,7 +695,8 @@ class Core(wiring.Component):
                                 m.d.sync += s.gap.eq(s.gap_pv)
                     with m.If(last_n & last_a & last_k):
                         m.d.comb += release.eq(s.v_sel)
-                        m.d.sync += [tile.eq(tile + 1), s.kv0.eq(s.kv0 + Bc)]
+                        m.d.sync += [tile.eq(tile + 1), s.vis_d.eq(s.vis_d + Bc),
+                                     s.vis_e.eq(s.vis_e - Bc)]
                         self._after_tile(m, s)
             with m.Case(Phase.FINAL):
                 def final_last():
@@ -764,10 +779,9 @@ class Core(wiring.Component):
         ctl_d = Signal(ctl_layout(cfg))
         k_d = Signal.like(iss_k)
         n_d = Signal.like(iss_n)
-        a_d = Signal.like(iss_a)
         b_d = Signal.like(iss_b)
         kc_d = Signal.like(iss_kc)
-        m.d.sync += [ctl_d.eq(iss), k_d.eq(iss_k), n_d.eq(iss_n), a_d.eq(iss_a), b_d.eq(iss_b),
+        m.d.sync += [ctl_d.eq(iss), k_d.eq(iss_k), n_d.eq(iss_n), b_d.eq(iss_b),
                      kc_d.eq(iss_kc)]
         m.d.comb += [arr.ctl.eq(ctl_d), arr.psel.eq(kc_d), arr.cst.eq(cmd.c)]
         for r in range(R):
@@ -782,36 +796,60 @@ class Core(wiring.Component):
             m.d.sync += [lane.eq(od * c + iss_n), lane_ok.eq(od * c + iss_n < hd)]
             vval = Mux(lane_ok, bufs.v_data.word_select(lane, 16), 0)
             m.d.comb += arr.col_b16[c].eq(Mux(ctl_d.pv, vval, bufs.k_data[c].word_select(k_d, 16)))
-        # visibility: i = q_row0 + wr r + a, j = kv0 + wc c + b
-        #   row valid: i < seq_q; key valid: j < seq_kv and j < kv_valid_len;
-        #   causal (bottom-right): j + seq_q <= i + seq_kv; mask bit.
-        # Row terms once per PE row, column terms once per PE column; each PE
-        # adds one compare (causal) and an AND.  Widths: i (one bit above a
-        # length), j (kv0 plus less than Bc) and the sums with a length.
-        col_ok, col_jq = [], []
+        # visibility of each PE's position, computed in the issue cycle and
+        # registered (so it reaches the PEs as a flop at E0, where it gates
+        # the MAC's operands), then ANDed with the mask bit read in the
+        # operand stage (SCALE).  With i = q_row0 + wr r + a the query row
+        # and j the key (Q.K and SCALE: kv0 + wc c + b; P.V: kv0 + k, the
+        # key of the P on row r's bus):
+        #   row valid  i < seq_q                   <=>  wr r + a < F
+        #   key valid  j < min(seq_kv, kv_valid_len) <=>  wc c + b < E  (P.V: k < E)
+        #   causal     j + seq_q <= i + seq_kv      <=>  D <= wr r + a - wc c - b
+        #                                               (P.V: D + k - a <= wr r)
+        # with the registers F = seq_q - q_row0, E = min(seq_kv,
+        # kv_valid_len) - kv0 and D = kv0 + seq_q - q_row0 - seq_kv (set when
+        # a command is accepted, stepped by Bc per kv tile).  Every compare
+        # is a register against a constant, off the path of the step's
+        # indices, which only select among them.
         not_causal = Signal()
         m.d.comb += not_causal.eq(~cmd.causal)
-        for c in range(C):
-            j = Signal(LEN_BITS + 2, name=f"kj{c}")
-            jq = Signal(LEN_BITS + 2, name=f"kjq{c}")
-            ok = Signal(name=f"kok{c}")
-            m.d.comb += [j.eq(s.kv0 + wc * c + b_d), jq.eq(j + cmd.seq_q),
-                         ok.eq((j < cmd.seq_kv) & (j < cmd.kv_valid_len))]
-            col_ok.append(ok)
-            col_jq.append(jq)
+        D, E, F = s.vis_d, s.vis_e, s.vis_f
+        row_ok = [[Signal(name=f"qok{r}_{a}") for a in range(wr)] for r in range(R)]
         for r in range(R):
-            i = Signal(LEN_BITS + 1, name=f"qi{r}")
-            lim = Signal(LEN_BITS + 2, name=f"lim{r}")
-            row_ok = Signal(name=f"qok{r}")
-            mrow = Signal(C, name=f"mrow{r}")
-            m.d.comb += [i.eq(cmd.q_row0 + wr * r + a_d), lim.eq(i + cmd.seq_kv),
-                         row_ok.eq(i < cmd.seq_q)]
-            # mask bits of this step (column b_d of every PE), all ones when off
-            by_b = Array([Cat(*[bufs.m_data[r][c * wc + bb] for c in range(C)]) for bb in range(wc)])
-            m.d.comb += mrow.eq(by_b[b_d] | Mux(cmd.mask_en, 0, (1 << C) - 1))
+            for a in range(wr):
+                m.d.comb += row_ok[r][a].eq(wr * r + a < F)
+        col_ok = [[Signal(name=f"kok{c}_{b}") for b in range(wc)] for c in range(C)]
+        for c in range(C):
+            for b in range(wc):
+                m.d.comb += col_ok[c][b].eq(wc * c + b < E)
+        causal_le = {}                                  # u -> (D <= u)
+        for u in sorted({wr * r + a - wc * c - b for r in range(R) for a in range(wr)
+                         for c in range(C) for b in range(wc)}):
+            causal_le[u] = Signal(name=f"dle{u}".replace("-", "m"))
+            m.d.comb += causal_le[u].eq(not_causal | (D <= u))
+        ab = Signal(range(wr * wc), name="vis_ab")
+        m.d.comb += ab.eq(iss_a * wc + iss_b)
+        # P.V: the loop's own a and k registers (iss_a == a there)
+        z = Signal(signed(len(D) + 1), name="vis_pv_z")
+        key_pv = Signal(name="vis_pv_key")
+        m.d.comb += [z.eq(D + s.k - s.a), key_pv.eq(s.k < E)]
+        geo = Signal(R * C, name="vis_geo")            # registered: operand stage
+        for r in range(R):
+            row_a = Array(row_ok[r])
+            pv_ok = row_a[s.a] & key_pv & (not_causal | (z <= wr * r))
             for c in range(C):
-                causal_ok = not_causal | (col_jq[c] <= lim)
-                m.d.comb += arr.vis[r * C + c].eq(row_ok & col_ok[c] & causal_ok & mrow[c])
+                ca = Array([causal_le[wr * r + a - wc * c - b] for a in range(wr) for b in range(wc)])
+                s_ok = row_a[iss_a] & Array(col_ok[c])[iss_b] & ca[ab]
+                m.d.sync += geo[r * C + c].eq(Mux(iss.pv, pv_ok, s_ok))
+        for r in range(R):
+            # mask bits of this step (column b_d of every PE) for SCALE, all
+            # ones when off and for MACs (the mask buffer is loaded for the
+            # softmax: WAIT_M)
+            mrow = Signal(C, name=f"mrow{r}")
+            by_b = Array([Cat(*[bufs.m_data[r][c * wc + bb] for c in range(C)]) for bb in range(wc)])
+            m.d.comb += mrow.eq(by_b[b_d] | Mux(cmd.mask_en & (ctl_d.op == PeOp.SCALE), 0, (1 << C) - 1))
+            for c in range(C):
+                m.d.comb += arr.vis[r * C + c].eq(geo[r * C + c] & mrow[c])
         return ctl_d
 
     # ------------------------------------------------ register check (simulation)
@@ -900,7 +938,7 @@ class Core(wiring.Component):
                              self.reg_err_tile.eq(tile)]
 
     # ------------------------------------------------------------------ counters
-    def _counters(self, m, s, ctl_d):
+    def _counters(self, m, s, ctl_d, arr):
         """Cycle and operation counters of the current/last command (see the
         class docstring), cleared when a command arrives in IDLE."""
         R, C = self.config.array_rows, self.config.array_cols
@@ -911,7 +949,7 @@ class Core(wiring.Component):
             m.d.sync += [x.eq(0) for x in (self.cnt_total, self.cnt_mac, self.cnt_softmax,
                                             self.cnt_stall, self.cnt_tile_last,
                                             self.cnt_tile_sum, self.ops_mac, self.ops_exp2,
-                                            self.ops_recip, tile_cyc)]
+                                            self.ops_recip, self.ops_masked, tile_cyc)]
         with m.Else():
             with m.If(counting):
                 m.d.sync += self.cnt_total.eq(self.cnt_total + 1)
@@ -922,6 +960,9 @@ class Core(wiring.Component):
                 m.d.sync += self.ops_exp2.eq(self.ops_exp2 + R * C)
             with m.If(ctl_d.rcp):
                 m.d.sync += self.ops_recip.eq(self.ops_recip + R)
+            # the array's count of masked MACs (3 cycles after the ops; the
+            # pipeline is quiet before a command is accepted)
+            m.d.sync += self.ops_masked.eq(self.ops_masked + arr.msk)
             with m.If(phase == Phase.SM):
                 m.d.sync += self.cnt_softmax.eq(self.cnt_softmax + 1)
             with m.If(((phase == Phase.WAIT_K) & ~s.k_ok) | ((phase == Phase.WAIT_M) & ~s.m_ok)

@@ -38,7 +38,8 @@ class PerfCounters(wiring.Component):
     core_done : In(1)      the core finished a q tile: its counts are added.
     core_n_kv : In(LEN_BITS)   kv tiles of that q tile.
     cnt_mac, cnt_softmax, cnt_stall : In(32)   the core's cycle counts of the q tile.
-    ops_mac, ops_exp2, ops_recip : In(48)      the core's op counts of the q tile.
+    ops_mac, ops_exp2, ops_recip, ops_masked : In(48)   the core's op counts of the q tile
+                                               (``mac_masked``: MAC slots skipped at masked positions).
     sram_rd_bytes, sram_wr_bytes, dram_rd_bytes, dram_wr_bytes : In(48)
     tsv_rd_words, tsv_wr_words : In(32)        the memory system's free-running counts.
     counters : Out(counters_layout())
@@ -49,7 +50,8 @@ class PerfCounters(wiring.Component):
         members = {"clear": In(1), "running": In(1), "core_done": In(1), "core_n_kv": In(LEN_BITS)}
         members.update({n: In(32) for n in ("cnt_mac", "cnt_softmax", "cnt_stall",
                                             "tsv_rd_words", "tsv_wr_words")})
-        members.update({n: In(BYTE_BITS) for n in ("ops_mac", "ops_exp2", "ops_recip", "sram_rd_bytes",
+        members.update({n: In(BYTE_BITS) for n in ("ops_mac", "ops_exp2", "ops_recip", "ops_masked",
+                                                   "sram_rd_bytes",
                                                    "sram_wr_bytes", "dram_rd_bytes", "dram_wr_bytes")})
         members["counters"] = Out(counters_layout())
         super().__init__(members)
@@ -71,6 +73,7 @@ class PerfCounters(wiring.Component):
                          cnt.mac_ops.eq(cnt.mac_ops + self.ops_mac),
                          cnt.exp2_ops.eq(cnt.exp2_ops + self.ops_exp2),
                          cnt.recip_ops.eq(cnt.recip_ops + self.ops_recip),
+                         cnt.mac_masked.eq(cnt.mac_masked + self.ops_masked),
                          # ASSUMPTION: 8 register-file bytes per MAC slot (read + write of
                          # the FP32 accumulator) and per exp2 (read S, write P)
                          cnt.reg_bytes.eq(cnt.reg_bytes + 8 * (self.ops_mac + self.ops_exp2)),

@@ -239,7 +239,8 @@ class NPU(wiring.Component):
             cnt.core_n_kv.eq(ctrl.core_n_kv),
         ]
         m.d.comb += [getattr(cnt, n).eq(getattr(core, n)) for n in ("cnt_mac", "cnt_softmax", "cnt_stall",
-                                                                    "ops_mac", "ops_exp2", "ops_recip")]
+                                                                    "ops_mac", "ops_exp2", "ops_recip",
+                                                                    "ops_masked")]
         m.d.comb += [getattr(cnt, n).eq(getattr(mem, n)) for n in ("sram_rd_bytes", "sram_wr_bytes",
                                                                    "dram_rd_bytes", "dram_wr_bytes",
                                                                    "tsv_rd_words", "tsv_wr_words")]

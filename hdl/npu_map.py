@@ -79,7 +79,7 @@ class Tag(enum.IntEnum):
 #: ``scripts.perf_model.Counters``
 COUNTERS = ("total_cycles", "mac_busy_cycles", "softmax_cycles", "dma_stall_cycles",
             "reg_bytes", "sram_bytes", "tsv_bytes", "dram_bytes",
-            "mac_ops", "exp2_ops", "recip_ops", "q_tiles", "kv_tiles")
+            "mac_ops", "exp2_ops", "recip_ops", "q_tiles", "kv_tiles", "mac_masked")
 
 #: DRAM byte addresses and strides of a job's tensors
 DESC_REGS = ("q_base", "k_base", "v_base", "o_base", "mask_base",

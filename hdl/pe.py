@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import enum
 
-from amaranth.hdl import Module, Mux, Signal
+from amaranth.hdl import Cat, Module, Mux, Signal
 from amaranth.lib import data, wiring
 from amaranth.lib.memory import Memory
 from amaranth.lib.wiring import In, Out
@@ -77,7 +77,8 @@ class PeOp(enum.IntEnum):
     ``A``/``B`` are the registers at ``ra``/``rb``; ``ret`` is the row's
     returned reduction/reciprocal value selected by ``ret_sel``."""
     NOP = 0
-    MAC = 1      # RF[wa] = mac(first ? +0 : A, a16, b16); no write if skipz and a16 == +-0
+    MAC = 1      # RF[wa] = mac(first ? +0 : A, a16, b16); no write if ~vis or (skipz
+                 # and a16 == +-0); multiplier operands held at 0 if ~vis
     SCALE = 2    # RF[wa] = vis ? mul32(A, cst) : -inf;  T = first ? that : max32(T, that)
     MALPHA = 3   # U = max32(A, ret) (m_new); RF[wa] = U == -inf ? 1 : exp2(sub32(A, U))
     PEXP = 4     # p = U == -inf ? 0 : to_fp16(exp2(sub32(A, U))); RF[wa] = p; T = mac(first ? 0 : T, p, 1.0)
@@ -253,7 +254,9 @@ class Pe(wiring.Component):
     cst : In(32)
         The score constant c = fp32(scale * log2 e), binary32 (static).
     vis : In(1)
-        1 when the score this SCALE op touches is visible (else -> -inf), E0.
+        1 when the (query, key) position of this op is visible, E0: SCALE
+        writes -inf where it is 0, and a MAC there is skipped (Q.K: the S
+        element's position; P.V: the position of the P on the row bus).
     ret : In(32)
         The row's returned value (row max, row sum or 1/l) chosen by the
         ``ctl.ret_sel`` of the op now in stage ``RET_STAGE`` (E2).
@@ -267,6 +270,18 @@ class Pe(wiring.Component):
     pnz : Out(1)
         1 when a PEXP op wrote a non-zero P the cycle before (registered):
         the array counts them for the S-tile check (``hdl/s_check.py``).
+    msk : Out(1)
+        1 when the op of the cycle before was a MAC at a masked position
+        (``vis`` 0; registered): the array sums them for the core's count
+        of skipped MAC slots (``Core.ops_masked``).
+
+    Masked work
+    -----------
+    A MAC at a masked position (``vis`` 0) does not write and feeds the
+    multiplier zeros instead of the bus operands (operand isolation from
+    the control bit: the multiplier's inputs stay constant over a run of
+    masked MACs).  A P.V MAC whose P is +-0 (``skipz``) does not write
+    either (a masked P is exactly 0, and 0 x inf must not reach O_acc).
     """
 
     def __init__(self, config: NPUConfig):
@@ -276,7 +291,7 @@ class Pe(wiring.Component):
         super().__init__({
             "ctl": In(ctl_layout(config)),
             "a16": In(16), "b16": In(16), "cst": In(32), "vis": In(1), "ret": In(32),
-            "sa": In(ab), "sd": Out(32), "t": Out(32), "pnz": Out(1),
+            "sa": In(ab), "sd": Out(32), "t": Out(32), "pnz": Out(1), "msk": Out(1),
         })
 
     def elaborate(self, platform):
@@ -316,14 +331,18 @@ class Pe(wiring.Component):
             tm[PeOp.MAC].write, 2, 3, 2, 1, 2), "OP_TIMING assumes these unit latencies"
 
         # --- the op's control travels down a stage pipeline: st[s] is the op
-        # in stage Es.  ``flag`` is the op's E0 data bit: MAC -> skip the
-        # write (skipz and a16 == +-0), SCALE -> vis.
+        # in stage Es.  ``flag`` is the op's E0 data bit: MAC -> no write
+        # (masked, or skipz and P == +-0), SCALE -> vis.
         stage = data.StructLayout({"op": PeOp, "wa": ab, "first": 1, "flag": 1})
         n_st = max(t.write or 0 for t in tm.values()) + 1
         st = [Signal(stage, name=f"st{s}") for s in range(n_st)]
-        m.d.comb += [st[0].op.eq(ctl.op), st[0].wa.eq(ctl.wa), st[0].first.eq(ctl.first),
-                     st[0].flag.eq(Mux(ctl.op == PeOp.MAC, ctl.skipz & (self.a16[0:15] == 0),
+        is_mac = ctl.op == PeOp.MAC
+        masked = Signal()                  # a MAC at a masked position, E0
+        m.d.comb += [masked.eq(is_mac & ~self.vis),
+                     st[0].op.eq(ctl.op), st[0].wa.eq(ctl.wa), st[0].first.eq(ctl.first),
+                     st[0].flag.eq(Mux(is_mac, masked | (ctl.skipz & (self.a16[0:15] == 0)),
                                        self.vis))]
+        m.d.sync += self.msk.eq(masked)
         for s in range(1, n_st):
             m.d.sync += st[s].eq(st[s - 1])
         # PEXP's sum fold runs past the last write stage: only its first bit travels on
@@ -354,7 +373,9 @@ class Pe(wiring.Component):
         p11 = Signal(16)
         m.d.sync += p11.eq(p10)
         m.d.comb += [
-            mac.a.eq(Mux(px[11], p11, self.a16)), mac.b.eq(Mux(px[11], ONE16, self.b16)),
+            # operand isolation: a masked MAC multiplies zeros
+            mac.a.eq(Mux(px[11], p11, Mux(masked, 0, self.a16))),
+            mac.b.eq(Mux(px[11], ONE16, Mux(masked, 0, self.b16))),
             mac.acc.eq(Mux(px[13], Mux(pf[13], 0, T), Mux(st[2].first, 0, A2))),
             mul.a.eq(A2),
             mul.b.eq(Mux(at(2, PeOp.SCALE), self.cst, Mux(at(2, PeOp.FINAL), self.ret, B2))),
@@ -366,6 +387,8 @@ class Pe(wiring.Component):
         add_r, ex_r = Signal(32), Signal(32)
         m.d.sync += [add_r.eq(add.o), ex_r.eq(ex.o)]
         m.d.comb += [ex.x.eq(add_r), cv.a.eq(ex_r)]
+        #: the multiplier's operand inputs, {b, a} (read by the unit tests)
+        self.mult_in = Cat(mac.a, mac.b)
 
         # U: m_new (MALPHA, E2); ``empty`` = m_new == -inf travels with the op
         with m.If(at(2, PeOp.MALPHA)):

@@ -80,18 +80,24 @@ def main(argv=None) -> int:
              f"{out['build']['build_s']} s (cached afterwards); SRAM shrunk to the NPU's map "
              f"for simulation ({res[0]['sram_bytes_sim']} bytes, no effect on results).", "",
              "| job | shape | bit-exact | cycles | MAC util | achieved / peak TFLOP/s | "
-             "DRAM-roofline fraction | DMA-path roofline fraction | DRAM bytes | sim cycles/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "DRAM-roofline fraction | DMA-path roofline fraction | DRAM bytes | masked MAC slots skipped | "
+             "sim cycles/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, j in rows:
         sh = j["shape"]
         lines.append(f"| {name} | h{sh['heads']}/kv{sh['kv_heads']} q{sh['seq_q']} kv{sh['seq_kv']} "
                      f"d{sh['head_dim']} | {'yes' if j['bit_exact'] else 'NO'} | {j['cycles']} | "
                      f"{100 * j['mac_utilization']:.1f} % | {j['achieved_tflops']:.2f} / {j['peak_tflops']:.2f} | "
                      f"{100 * j['dram_roofline_fraction']:.1f} % | {100 * j['dma_path_roofline_fraction']:.1f} % | "
-                     f"{j['counters']['dram_bytes']} | {j['sim_cycles_per_s']} |")
+                     f"{j['counters']['dram_bytes']} | "
+                     f"{100 * j['counters']['mac_masked'] / max(1, j['counters']['mac_ops']):.1f} % | "
+                     f"{j['sim_cycles_per_s']} |")
     lines += ["", "MAC util = MAC-issuing cycles / total cycles (the array issues R x C MACs per such "
               "cycle). DRAM roofline = DRAM bytes / (channels x bytes per channel per cycle); DMA-path "
-              "roofline = DRAM bytes / one bus word per cycle (one DMA engine)."]
+              "roofline = DRAM bytes / one bus word per cycle (one DMA engine). Masked MAC slots "
+              "skipped = the NPU's mac_masked counter / mac_ops: slots at padding or causally masked "
+              "positions, which neither write nor feed their multiplier data (the energy model "
+              "charges only the others)."]
     text = "\n".join(lines) + "\n"
     (od / "npu.md").write_text(text)
     print(text)

@@ -247,7 +247,8 @@ def energy_of(counters, ops, table: EnergyTable | None = None) -> EnergyBreakdow
     counters : perf_model.Counters (or any object with the same attributes)
         ``reg_bytes``, ``sram_bytes``, ``tsv_bytes``, ``dram_bytes``,
         ``offchip_bytes`` (bytes) and ``mac_ops``, ``exp2_ops``,
-        ``recip_ops`` (ops).
+        ``recip_ops`` (ops); ``mac_masked`` (optional): MAC slots skipped at
+        masked positions, not charged (only the MACs that ran cost energy).
     ops : perf_model.OpDetail (or any object with ``fp32_mul``, ``fp32_add``
         and ``operand_bytes``)
         FP32 multiplies and adds/compares/subtracts outside the MACs (ops);
@@ -266,7 +267,7 @@ def energy_of(counters, ops, table: EnergyTable | None = None) -> EnergyBreakdow
     c = counters
     sram_bits = 8 * c.sram_bytes
     terms = {
-        "mac": c.mac_ops * t.mac_pj,
+        "mac": (c.mac_ops - getattr(c, "mac_masked", 0)) * t.mac_pj,
         "softmax_ops": (ops.fp32_mul * t.fp32_mul_pj + ops.fp32_add * t.cmp_pj
                         + c.exp2_ops * t.exp2_pj + c.recip_ops * t.recip_pj),
         "register": 8 * (c.reg_bytes + getattr(ops, "reg_extra_bytes", 0)) * t.reg_pj_per_bit,

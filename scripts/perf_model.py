@@ -100,7 +100,7 @@ SPILL_LEVELS = ("sram", "stacked_dram", "offchip", "unfused")
 #: Counters the RTL NPU exposes; the validation test compares exactly these.
 RTL_COUNTER_FIELDS = ("total_cycles", "mac_busy_cycles", "softmax_cycles", "dma_stall_cycles",
                       "reg_bytes", "sram_bytes", "tsv_bytes", "dram_bytes",
-                      "mac_ops", "exp2_ops", "recip_ops")
+                      "mac_ops", "exp2_ops", "recip_ops", "mac_masked")
 
 FP16, FP32 = 2, 4          # bytes per element
 REG_BYTES = 4              # one 32-bit register access
@@ -387,6 +387,10 @@ class Counters:
     mac_ops, exp2_ops, recip_ops : int
         MAC slots issued (incl. padding rows/keys of a tile), exp2 ops (P and
         alpha), reciprocals.
+    mac_masked : int
+        Of the MAC slots, those at masked positions (causal, padding rows
+        and keys): skipped by the PEs, no write, multiplier operands held
+        (``hdl/pe.py``); the energy model charges ``mac_ops - mac_masked``.
     spill_cycles : int
         Model only: baseline cycles spent moving S/P to and from the spill
         level, not hidden behind compute.
@@ -405,6 +409,7 @@ class Counters:
     mac_ops: int = 0
     exp2_ops: int = 0
     recip_ops: int = 0
+    mac_masked: int = 0
     spill_cycles: int = 0
     offchip_bytes: int = 0
 
@@ -824,6 +829,19 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     # --- counters ----------------------------------------------------------------
     mac_busy = pairs * (s_mac + pv_mac)
     mac_ops = mac_busy * R * C                    # every PE issues a MAC slot per MAC cycle
+    # masked slots (hdl/core.py ``ops_masked``): a position of a computed
+    # Br x Bc tile that is a padding row or key, or causally invisible,
+    # skips its head_dim Q.K slots and its od x C P.V slots.  Keys row i
+    # sees: L(i) = i + 1 + seq_kv - seq_q (causal, clipped to 0..seq_kv),
+    # else seq_kv; the q tile's kv tiles cover them all.
+    q_abs = qt[:, None] * br + np.arange(br)[None, :]
+    if job.causal and not stacked:
+        keys_seen = np.clip(q_abs + 1 + job.seq_kv - job.seq_q, 0, job.seq_kv)
+    else:
+        keys_seen = np.full(q_abs.shape, job.seq_kv, dtype=np.int64)
+    keys_seen = np.where(np.arange(br)[None, :] < valid_rows[:, None], keys_seen, 0)
+    masked_pos = units * int((n_pairs * br * bc - keys_seen.sum(axis=1)).sum())
+    mac_masked = masked_pos * (d + od * C)
     # one PEXP cycle per S element of a PE and one MALPHA cycle per row, on
     # every PE: each PE of a row evaluates the row's alpha itself
     exp2_ops = pairs * (wr * wc + wr) * R * C
@@ -888,6 +906,7 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
                         reg_bytes=int(reg_bytes), sram_bytes=int(sram_bytes),
                         tsv_bytes=int(tsv_bytes), dram_bytes=int(dram_bytes),
                         mac_ops=int(mac_ops), exp2_ops=int(exp2_ops), recip_ops=int(recip_ops),
+                        mac_masked=int(mac_masked),
                         spill_cycles=int(spill_cycles), offchip_bytes=int(offchip))
     detail = dict(reg_mac=reg_mac, reg_p_operand=reg_p_operand,
                   reg_softmax=reg_softmax, reg_epilogue=reg_epilogue, reg_spill=reg_spill,
@@ -962,6 +981,7 @@ RTL_STAT_ALIASES = {
     "mac_ops": ("mac_ops", "macs", "mac_count"),
     "exp2_ops": ("exp2_ops", "exp2", "exp2_count"),
     "recip_ops": ("recip_ops", "recip", "recip_count"),
+    "mac_masked": ("mac_masked",),
 }
 
 

@@ -25,7 +25,8 @@ from cocotb.triggers import ClockCycles
 from flashnpu.config import NPUConfig
 from flashnpu.hdl.core import Inject, PausePoint, Phase
 from flashnpu.hdl.pe import RegMap
-from flashnpu.sim.core_driver import CocotbIo, CoreDriver, RegisterCheckError, check_run, make_job
+from flashnpu.sim.core_driver import (CocotbIo, CoreDriver, RegisterCheckError, check_run,
+                                      expected_masked_macs, make_job)
 
 ALL_PAUSES = (PausePoint.S_RAW, PausePoint.S, PausePoint.TILE)
 
@@ -198,6 +199,9 @@ async def core_cases(dut):
                 f"{job.name}: MAC cycles {run.counters['cnt_mac']} != schedule {mac}"
             assert run.counters["ops_recip"] == cfg.br, \
                 f"{job.name}: {run.counters['ops_recip']} reciprocals, expected {cfg.br}"
+            masked = expected_masked_macs(job)
+            assert run.counters["ops_masked"] == masked, \
+                f"{job.name}: {run.counters['ops_masked']} masked MACs skipped, expected {masked}"
             dut._log.info(f"{job.name}: bit-exact ({n} values), {run.cycles} cycles in "
                           f"{wall:.1f} s ({run.cycles / wall:.0f} cycles/s), counters {run.counters}")
             report.append(dict(name=job.name, head_dim=job.head_dim, n_kv=job.n_kv,

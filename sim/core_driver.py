@@ -44,7 +44,8 @@ from flashnpu.hdl.pe import RegMap
 from flashnpu.sim import runner
 from flashnpu.sim.packing import pack, unpack
 
-__all__ = ["pack", "AmaranthIo", "CocotbIo", "QTileJob", "CoreRun", "CoreDriver", "check_run",
+__all__ = ["pack", "AmaranthIo", "CocotbIo", "QTileJob", "CoreRun", "CoreDriver", "check_run", "computed_positions",
+           "expected_masked_macs",
            "make_job", "RegisterCheckError"]
 
 
@@ -151,6 +152,29 @@ class QTileJob:
         return -(-self.seq_kv // self.config.bc)
 
 
+def computed_positions(job: QTileJob) -> np.ndarray:
+    """Bool [Br, n_kv * Bc]: the (query, key) positions of the q tile whose
+    MACs the core runs: visible by the causal, padding and kv_valid_len
+    rules (the attention mask's bits arrive for the softmax, after Q.K)."""
+    cfg = job.config
+    i = job.q_row0 + np.arange(cfg.br)[:, None]
+    j = np.arange(job.n_kv * cfg.bc)[None, :]
+    vis = (i < job.seq_q) & (j < job.seq_kv) & (j < job.kv_valid_len)
+    if job.causal:
+        vis &= j + job.seq_q <= i + job.seq_kv
+    return vis
+
+
+def expected_masked_macs(job: QTileJob) -> int:
+    """MAC slots the core skips at masked positions over the q tile
+    (``Core.ops_masked``): per position outside ``computed_positions``,
+    head_dim Q.K slots and od x C P.V slots (one per O column of the
+    row's PEs)."""
+    cfg = job.config
+    n = int((~computed_positions(job)).sum())
+    return n * (job.head_dim + cfg.o_cols_per_pe(job.head_dim) * cfg.array_cols)
+
+
 def make_job(config: NPUConfig, head_dim, seq_q, seq_kv, causal=False, kv_valid_len=None,
              mask=None, q_tile=0, seed=0, fill=0.0, q=None, k=None, v=None, name="",
              scale_q=1.0) -> QTileJob:
@@ -201,7 +225,7 @@ class CoreDriver:
     """Drives one ``Core`` through the ``Io`` adapter (see the module docstring)."""
 
     COUNTERS = ("cnt_total", "cnt_mac", "cnt_softmax", "cnt_stall", "cnt_tile_last",
-                "cnt_tile_sum", "ops_mac", "ops_exp2", "ops_recip")
+                "cnt_tile_sum", "ops_mac", "ops_exp2", "ops_recip", "ops_masked")
 
     def __init__(self, io, config: NPUConfig, seed=0, backpressure=0.0, idle=None, log=print):
         self.io, self.cfg = io, config
@@ -378,11 +402,12 @@ def check_run(job: QTileJob, run: CoreRun, log=print):
         if point in (PausePoint.S_RAW, PausePoint.S):
             s = f32(s_block(regs))[:nrows]
             if point == PausePoint.S_RAW:
-                # S_raw is only defined where both operands are data (padding keys
-                # hold garbage in the core and zeros in the golden model)
-                valid = min(bc, job.seq_kv - tile * bc)
-                exp = cp.S_raw[0, r0:r0 + nrows, :valid]
-                assert_bit_exact(s[:, :valid], exp, "S_raw", where=sp_where(tile, "S"))
+                # S_raw is only defined where the core runs the MACs (it
+                # skips masked positions, padding keys included)
+                vis = computed_positions(job)[:nrows, tile * bc:(tile + 1) * bc]
+                exp = cp.S_raw[0, r0:r0 + nrows]
+                assert_bit_exact(np.where(vis, s, 0), np.where(vis, exp, 0).astype(np.float32), "S_raw",
+                                 where=sp_where(tile, "S"))
             else:
                 assert_bit_exact(s, cp.S[0, r0:r0 + nrows], "S", where=sp_where(tile, "S"))
             count += s.size

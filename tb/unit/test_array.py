@@ -13,7 +13,7 @@ from flashnpu.config import DEFAULT, small_config
 from flashnpu.golden import ComparisonError
 from flashnpu.hdl.core import Core, PausePoint, cmd_layout, final_program, init_program, softmax_program
 from flashnpu.hdl.pe import PeOp, RegMap, TreeOp
-from flashnpu.sim.core_driver import AmaranthIo, CoreDriver, check_run, make_job
+from flashnpu.sim.core_driver import AmaranthIo, CoreDriver, check_run, expected_masked_macs, make_job
 from flashnpu.sim.packing import pack
 
 ALL = (PausePoint.S_RAW, PausePoint.S, PausePoint.TILE)
@@ -74,6 +74,7 @@ def test_core_bit_exact(name):
     assert run.counters["cnt_mac"] == mac_cycles(cfg, job)
     assert run.counters["ops_mac"] == mac_cycles(cfg, job) * cfg.array_rows * cfg.array_cols
     assert run.counters["ops_recip"] == cfg.br
+    assert run.counters["ops_masked"] == expected_masked_macs(job)
     assert run.counters["cnt_tile_sum"] <= run.counters["cnt_total"]
     assert np.isfinite(run.o).all()
 

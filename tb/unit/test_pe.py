@@ -1,7 +1,7 @@
 """amaranth.sim unit tests of one PE and of the row-reduction tree: every
 opcode against ``golden.numerics`` bit for bit, including the special rows
 (empty row: m = -inf, alpha = 1, P = 0; l == 0 -> O = 0; P == 0 skips the
-MAC).  Ops are issued one at a time and the pipeline drained after each,
+MAC; a masked MAC neither writes nor feeds its multiplier).  Ops are issued one at a time and the pipeline drained after each,
 except in the MAC stream test, which issues a MAC every cycle on
 ``MAC_RECURRENCE`` interleaved accumulators as the S and P.V loops do."""
 
@@ -34,6 +34,7 @@ def _run(tb_body):
 
     async def tb(ctx):
         lay = ctl_layout(CFG)
+        ctx.set(dut.vis, 1)
 
         async def op(drain=True, **kw):
             ctx.set(dut.ctl.as_value(), pack(lay, kw))
@@ -81,6 +82,44 @@ def test_mac_and_skip():
                 acc = nx.mac(np.float32(0) if i == 0 else acc, a16[i], b16[i])
         got = await read(3)
         assert got == int(np.float32(acc).view(U32)), (hex(got), acc)
+    _run(body)
+
+
+def test_masked_mac_is_skipped_and_isolated():
+    """A MAC at a masked position (vis 0) leaves its accumulator alone,
+    raises ``msk`` for one cycle, and its multiplier sees +0 operands
+    (operand isolation) while the buses carry data; P.V's zero-P skip
+    writes nothing but is not counted as masked."""
+    rng = np.random.default_rng(3)
+    a16 = rng.standard_normal(8).astype(np.float16)
+    b16 = rng.standard_normal(8).astype(np.float16)
+    vis = [1, 0, 1, 1, 0, 0, 1, 1]
+
+    async def body(ctx, dut, op, read):
+        acc = np.float32(0)
+        first = True
+        for i in range(8):
+            ctx.set(dut.a16, int(a16[i].view(np.uint16)))
+            ctx.set(dut.b16, int(b16[i].view(np.uint16)))
+            ctx.set(dut.vis, vis[i])
+            ctx.set(dut.ctl.as_value(), pack(ctl_layout(CFG), dict(op=PeOp.MAC, ra=5, wa=5,
+                                                                  first=int(i == 0))))
+            assert ctx.get(dut.mult_in) == (0 if not vis[i] else
+                                            int(a16[i].view(np.uint16)) | int(b16[i].view(np.uint16)) << 16)
+            await ctx.tick()
+            assert ctx.get(dut.msk) == 1 - vis[i]
+            ctx.set(dut.ctl.as_value(), 0)
+            await ctx.tick().repeat(PIPE_DEPTH)
+            assert ctx.get(dut.msk) == 0
+            if vis[i]:
+                acc = nx.mac(np.float32(0) if first else acc, a16[i], b16[i])
+                first = False
+        # the first MAC (vis 1) zeroed the accumulator; the masked ones kept it
+        assert await read(5) == b32(acc)
+        ctx.set(dut.vis, 1)
+        ctx.set(dut.a16, 0)
+        await op(op=PeOp.MAC, ra=5, wa=5, skipz=1)
+        assert await read(5) == b32(acc)
     _run(body)
 
 
