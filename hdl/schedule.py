@@ -29,7 +29,7 @@ the same at run time with a scoreboard in every PE; a static schedule keeps
 the PE free of them, and the core's register check (``Core``) verifies in
 every simulation that no read ever meets a pending write.  The run-time
 return-register wait stays as a guard and never stalls a scheduled program
-(``tb/unit/test_schedule.py``).
+(``tb/unit/test_array.py::test_programs_are_complete_and_never_wait``).
 """
 
 from __future__ import annotations

@@ -25,8 +25,7 @@ from cocotb.triggers import ClockCycles
 from flashnpu.config import NPUConfig
 from flashnpu.hdl.core import Inject, PausePoint, Phase
 from flashnpu.hdl.pe import RegMap
-from flashnpu.sim.core_driver import (CocotbIo, CoreDriver, RegisterCheckError, check_run,
-                                      expected_masked_macs, make_job)
+from flashnpu.sim.core_driver import CocotbIo, CoreDriver, RegisterCheckError, check_run, expected_masked_macs, make_job
 
 ALL_PAUSES = (PausePoint.S_RAW, PausePoint.S, PausePoint.TILE)
 

@@ -1,9 +1,10 @@
 """amaranth.sim unit tests of one PE and of the row-reduction tree: every
 opcode against ``golden.numerics`` bit for bit, including the special rows
 (empty row: m = -inf, alpha = 1, P = 0; l == 0 -> O = 0; P == 0 skips the
-MAC; a masked MAC neither writes nor feeds its multiplier).  Ops are issued one at a time and the pipeline drained after each,
-except in the MAC stream test, which issues a MAC every cycle on
-``MAC_RECURRENCE`` interleaved accumulators as the S and P.V loops do."""
+MAC; a masked MAC neither writes nor feeds its multiplier).  Ops are issued
+one at a time and the pipeline drained after each, except in the MAC stream
+test, which issues a MAC every cycle on ``MAC_RECURRENCE`` interleaved
+accumulators as the S and P.V loops do."""
 
 import numpy as np
 import pytest
