@@ -157,6 +157,9 @@ def _print_summary(s):
     if "cycles" in st:
         print(f"  cycles {st['cycles']}, MAC utilization {100 * st.get('mac_utilization', 0):.1f} %, "
               f"achieved {st.get('achieved_flops', 0) / 1e12:.3f} of {st.get('peak_flops', 0) / 1e12:.3f} TFLOP/s")
+        if "mac_masked" in st:
+            print(f"  MAC slots skipped at masked positions: {st['mac_masked']} of {st['mac_ops']} "
+                  f"({100 * st['mac_masked'] / max(1, st['mac_ops']):.1f} %)")
         for k, v in st.items():
             if k.startswith("bytes_"):
                 print(f"  {k[6:]:>10} bytes {v}")
