@@ -51,8 +51,8 @@ class PerfCounters(wiring.Component):
         members.update({n: In(32) for n in ("cnt_mac", "cnt_softmax", "cnt_stall",
                                             "tsv_rd_words", "tsv_wr_words")})
         members.update({n: In(BYTE_BITS) for n in ("ops_mac", "ops_exp2", "ops_recip", "ops_masked",
-                                                   "sram_rd_bytes",
-                                                   "sram_wr_bytes", "dram_rd_bytes", "dram_wr_bytes")})
+                                                   "sram_rd_bytes", "sram_wr_bytes",
+                                                   "dram_rd_bytes", "dram_wr_bytes")})
         members["counters"] = Out(counters_layout())
         super().__init__(members)
 

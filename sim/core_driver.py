@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flashnpu.config import NPUConfig
-from flashnpu.golden import assert_bit_exact, flash_attention_hw
+from flashnpu.golden import assert_bit_exact, flash_attention_hw, visible_mask
 from flashnpu.golden import numerics as nx
 from flashnpu.hdl.core import (
     CORE_MODULE,
@@ -44,9 +44,8 @@ from flashnpu.hdl.pe import RegMap
 from flashnpu.sim import runner
 from flashnpu.sim.packing import pack, unpack
 
-__all__ = ["pack", "AmaranthIo", "CocotbIo", "QTileJob", "CoreRun", "CoreDriver", "check_run", "computed_positions",
-           "expected_masked_macs",
-           "make_job", "RegisterCheckError"]
+__all__ = ["pack", "AmaranthIo", "CocotbIo", "QTileJob", "CoreRun", "CoreDriver", "check_run",
+           "computed_positions", "expected_masked_macs", "make_job", "RegisterCheckError"]
 
 
 class RegisterCheckError(AssertionError):
@@ -157,11 +156,10 @@ def computed_positions(job: QTileJob) -> np.ndarray:
     MACs the core runs: visible by the causal, padding and kv_valid_len
     rules (the attention mask's bits arrive for the softmax, after Q.K)."""
     cfg = job.config
-    i = job.q_row0 + np.arange(cfg.br)[:, None]
-    j = np.arange(job.n_kv * cfg.bc)[None, :]
-    vis = (i < job.seq_q) & (j < job.seq_kv) & (j < job.kv_valid_len)
-    if job.causal:
-        vis &= j + job.seq_q <= i + job.seq_kv
+    rows = max(0, min(cfg.br, job.seq_q - job.q_row0))
+    vis = np.zeros((cfg.br, job.n_kv * cfg.bc), bool)
+    vis[:rows, :job.seq_kv] = visible_mask(1, job.seq_q, job.seq_kv, job.causal,
+                                           kv_valid_len=job.kv_valid_len)[0, job.q_row0:job.q_row0 + rows]
     return vis
 
 
