@@ -43,7 +43,7 @@ Pipeline registers between PEs and why they exist:
 With ``pe_as_instance=True`` the PE rows, PEs, tree nodes and reciprocal
 units are Verilog ``Instance``s of modules generated once
 (``module_texts``): 1.3 MB of Verilog at 32 x 32 instead of one module per
-PE, and Verilator compiles each shared module once (hierarchical blocks).
+PE, and Verilator compiles the row once (a hierarchical block).
 With ``False`` they are elaborated inline for ``amaranth.sim``.
 """
 
@@ -78,19 +78,26 @@ def _with_meta(text: str, name: str, meta: str) -> str:
 def module_texts(config: NPUConfig) -> str:
     """Verilog of the PE-row, PE, tree-node and reciprocal modules, each once.
 
-    The PE row, the PE and the tree node carry Verilator's ``hier_block``
-    metacomment (build with ``--hierarchical``): each is verilated and
-    compiled once as its own model, the row instantiating C PEs and C - 1
-    nodes, the core R rows.  Measured alternatives: PEs merely not inlined
-    still get per-instance combinational code (8 x 8: 14 MB of C++, a
-    6-minute build); hier blocks directly under the core put a wrapper per
-    PE and node into the top model (32 x 32: 35 MB of C++).
+    The PE row carries Verilator's ``hier_block`` metacomment (build with
+    ``--hierarchical``): it is verilated and compiled once as its own model
+    and the core instantiates it R times; its C PEs and C - 1 tree nodes are
+    ``inline_module``s, compiled into the row model.  Measured on the 32 x 32
+    NPU (C++ replay, idle 2-core machine; README, "Simulator speed"): PEs and
+    tree nodes as hier blocks of their own cost each of the 2,016 blocks
+    three model calls per cycle (both clock edges and the input update),
+    each with Verilator's end-of-eval locking -- half the run time, 1,239
+    simulated cycles/s on 1 thread -- against 3,432 with them inside the
+    row (build about 115 s against 82 s).  Other measured alternatives: PEs merely
+    not inlined still get per-instance combinational code (8 x 8: 14 MB of
+    C++, a 6-minute build); hier blocks directly under the core put a
+    wrapper per PE and node into the top model (32 x 32: 35 MB of C++); a
+    fully flat build takes about 15 minutes.
     """
     from amaranth.back import verilog
     texts = []
     for comp, name, meta in ((PeRow(config, pe_as_instance=True), ROW_MODULE, "hier_block"),
-                             (Pe(config), PE_MODULE, "hier_block"),
-                             (ReduceNode(), NODE_MODULE, "hier_block"),
+                             (Pe(config), PE_MODULE, "inline_module"),
+                             (ReduceNode(), NODE_MODULE, "inline_module"),
                              (Recip(), RECIP_MODULE, "no_inline_module")):
         texts.append(_with_meta(verilog.convert(comp, name=name, emit_src=False), name, meta))
     return "\n".join(texts)
@@ -102,11 +109,10 @@ FLAT_SUFFIX = "_flat"
 
 def flat_row(text: str, row: int) -> str:
     """``text`` (a design with ``module_texts`` appended) with PE row ``row``
-    built from plain copies of the row, PE and tree-node modules: no
-    ``hier_block``, so a ``--hierarchical`` Verilator build keeps that row in
-    the top model, where its trace sees every register file, MAC, softmax
-    unit and tree node.  The other rows stay hierarchical blocks; instance
-    paths do not change.
+    built from a plain copy of the row module: no ``hier_block``, so a
+    ``--hierarchical`` Verilator build keeps that row in the top model, where
+    its trace sees every register file, MAC, softmax unit and tree node.
+    The other rows stay hierarchical blocks; instance paths do not change.
 
     Raises
     ------
@@ -116,17 +122,12 @@ def flat_row(text: str, row: int) -> str:
     inst = f"  {ROW_MODULE} row{row} ("
     if text.count(inst) != 1:
         raise ValueError(f"no PE row instance row{row} in the design")
-    copies = []
-    for name in (ROW_MODULE, PE_MODULE, NODE_MODULE):
-        head = f"module {name}("
-        i = text.index(head)
-        j = text.index("\nendmodule", i) + len("\nendmodule")
-        body = text[i:j].replace(head, f"module {name}{FLAT_SUFFIX}(", 1)
-        body = body.replace("  /* verilator hier_block */\n", "")
-        for child in (PE_MODULE, NODE_MODULE):
-            body = body.replace(f"  {child} ", f"  {child}{FLAT_SUFFIX} ")
-        copies.append(body)
-    return text.replace(inst, f"  {ROW_MODULE}{FLAT_SUFFIX} row{row} (") + "\n" + "\n".join(copies) + "\n"
+    head = f"module {ROW_MODULE}("
+    i = text.index(head)
+    j = text.index("\nendmodule", i) + len("\nendmodule")
+    copy = text[i:j].replace(head, f"module {ROW_MODULE}{FLAT_SUFFIX}(", 1)
+    copy = copy.replace("  /* verilator hier_block */\n", "")
+    return text.replace(inst, f"  {ROW_MODULE}{FLAT_SUFFIX} row{row} (") + "\n" + copy + "\n"
 
 
 class PeRow(wiring.Component):

@@ -319,6 +319,8 @@ def validate_rtl(out: Path, sim: str, progress=None, core: bool = True, jobs=Non
 # ---------------------------------------------------------------------------
 
 def _fmt(x, nd=3):
+    if x is None:
+        return "—"
     if isinstance(x, float):
         if x == 0:
             return "0"
@@ -719,7 +721,8 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
     L.append(_json_section(out / "sim_speed.json",
                            "the simulator-speed script (simulated cycles per second of the C++ replay "
                            "harness with 1 and 2 threads, the cocotb testbench under Verilator and under "
-                           "Icarus, at 4x4, 8x8 and 32x32)") + "\n")
+                           "Icarus, at 4x4, 8x8 and 32x32; build time and, for the replay builds, the "
+                           "build's peak memory)") + "\n")
     L.append("## LLM decode tokens/s\n")
     L.append(_json_section(out / "decode.json", "the decode benchmark (golden and rtl backends)") + "\n")
     L.append("## Files\n")

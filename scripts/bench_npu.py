@@ -64,7 +64,8 @@ def main(argv=None) -> int:
         dma_roof = r["counters"]["dram_bytes"] / W
         job = dict(shape=case.shape, causal=case.causal, bit_exact=exact, cycles=cyc,
                    mac_utilization=st["mac_utilization"], mac_slot_utilization=st["mac_slot_utilization"],
-                   achieved_tflops=st["achieved_flops"] / 1e12, useful_tflops=st["useful_flops"] / 1e12,
+                   useful_utilization=st["useful_utilization"],
+                   issued_tflops=st["issued_flops"] / 1e12, useful_tflops=st["useful_flops"] / 1e12,
                    peak_tflops=cfg.peak_flops / 1e12,
                    dram_roofline_fraction=dram_roof / cyc, dma_path_roofline_fraction=dma_roof / cyc,
                    sim_wall_s=r["wall_s"], sim_cycles_per_s=round(cyc / max(r["wall_s"], 1e-9)),
@@ -79,21 +80,25 @@ def main(argv=None) -> int:
              f"build: Verilog generation {out['build']['generate_s']} s, Verilator build "
              f"{out['build']['build_s']} s (cached afterwards); SRAM shrunk to the NPU's map "
              f"for simulation ({res[0]['sram_bytes_sim']} bytes, no effect on results).", "",
-             "| job | shape | bit-exact | cycles | MAC util | achieved / peak TFLOP/s | "
+             "| job | shape | bit-exact | cycles | MAC util | useful util | useful / peak TFLOP/s | "
              "DRAM-roofline fraction | DMA-path roofline fraction | DRAM bytes | masked MAC slots skipped | "
              "sim cycles/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, j in rows:
         sh = j["shape"]
         lines.append(f"| {name} | h{sh['heads']}/kv{sh['kv_heads']} q{sh['seq_q']} kv{sh['seq_kv']} "
                      f"d{sh['head_dim']} | {'yes' if j['bit_exact'] else 'NO'} | {j['cycles']} | "
-                     f"{100 * j['mac_utilization']:.1f} % | {j['achieved_tflops']:.2f} / {j['peak_tflops']:.2f} | "
+                     f"{100 * j['mac_utilization']:.1f} % | {100 * j['useful_utilization']:.1f} % | "
+                     f"{j['useful_tflops']:.2f} / {j['peak_tflops']:.2f} | "
                      f"{100 * j['dram_roofline_fraction']:.1f} % | {100 * j['dma_path_roofline_fraction']:.1f} % | "
                      f"{j['counters']['dram_bytes']} | "
                      f"{100 * j['counters']['mac_masked'] / max(1, j['counters']['mac_ops']):.1f} % | "
                      f"{j['sim_cycles_per_s']} |")
     lines += ["", "MAC util = MAC-issuing cycles / total cycles (the array issues R x C MACs per such "
-              "cycle). DRAM roofline = DRAM bytes / (channels x bytes per channel per cycle); DMA-path "
+              "cycle): issued slots. Useful util = 2 x visible query-key pairs x head_dim / (R x C x cycles): "
+              f"the MACs the job needs. TFLOP/s at the assumed {cfg.clock_hz / 1e9:g} GHz clock (no timing "
+              "evidence for it: README, \"Verilog and FPGA\"). DRAM roofline = DRAM bytes / "
+              "(channels x bytes per channel per cycle); DMA-path "
               "roofline = DRAM bytes / one bus word per cycle (one DMA engine). Masked MAC slots "
               "skipped = the NPU's mac_masked counter / mac_ops: slots at padding or causally masked "
               "positions, which neither write nor feed their multiplier data (the energy model "

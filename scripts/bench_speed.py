@@ -11,14 +11,15 @@ its load; the JSON records the load average at the start.
 
 Usage::
 
-    python -m flashnpu.scripts.bench_speed [--full [--flat]] [--only sim|decode] [--out results]
+    python -m flashnpu.scripts.bench_speed [--full [--flat] [--x-unique]] [--only sim|decode] [--out results]
         [--tokens 16] [--rtl-tokens 2] [--rtl-array 8x8]
     python -m flashnpu.scripts.bench_speed --profile [--out results]
 
 ``--full`` adds the 32x32 NPU (three Verilator builds of a minute or two the
 first time: replay with 1 and 2 threads, cocotb; and Icarus on a small job,
 ~1 min build, ~3-8 min of simulation); ``--flat`` adds a fully flat 32x32
-replay build; ``--profile`` writes ``results/sim_profile.txt`` (``perf``
+replay build; ``--x-unique`` a 32x32 replay build with Verilator's
+``unique`` X handling; ``--profile`` writes ``results/sim_profile.txt`` (``perf``
 profile of the 32x32 model) and nothing else; ``--only`` rewrites one of the two files;
 ``--rtl-tokens 0`` leaves
 out the rtl decode.  Each decode row runs ``flashnpu decode --json`` in a
@@ -52,18 +53,19 @@ def _cocotb_row(label, config, sim, case, job):
     cycles = int(res["counters"]["total_cycles"])
     wall = float(res["wall_s"])
     return dict(path=f"cocotb + {sim}", array=label, job=job, cycles=cycles, wall_s=round(wall, 3),
-                cycles_per_s=round(cycles / wall, 1), build_s=(res.get("build") or {}).get("build_s"))
+                cycles_per_s=round(cycles / wall, 1), build_s=(res.get("build") or {}).get("build_s"),
+                build_peak_mib=None)
 
 
-def _replay_row(label, config, case, job, threads, workdir, hierarchical=True):
-    folder = Path(workdir) / f"{label}-t{threads}-{'hier' if hierarchical else 'flat'}"
+def _replay_row(label, config, case, job, threads, workdir, hierarchical=True, x_unique=False):
+    folder = Path(workdir) / f"{label}-t{threads}-{'hier' if hierarchical else 'flat'}-x{int(x_unique)}"
     plan = replay.record_job(case, config, folder)
-    build = replay.build_replay(config, threads=threads, hierarchical=hierarchical)
+    build = replay.build_replay(config, threads=threads, hierarchical=hierarchical, x_unique=x_unique)
     res = replay.run_replay(build, folder, plan)
-    what = "" if hierarchical else ", flat build"
+    what = ("" if hierarchical else ", flat build") + (", X unique" if x_unique else "")
     return dict(path=f"C++ replay, {threads} thread{'s' if threads > 1 else ''}{what}", array=label, job=job,
                 cycles=res["cycles"], wall_s=round(res["wall_s"], 3), cycles_per_s=round(res["cycles_per_s"], 1),
-                build_s=build.build_s)
+                build_s=build.build_s, build_peak_mib=build.build_peak_mib)
 
 
 #: (array, configuration, job of every path, Icarus' shorter job or None = the same)
@@ -76,14 +78,16 @@ SPEED_POINTS = [
 ]
 
 
-def sim_speed(full: bool, flat: bool = False) -> list:
+def sim_speed(full: bool, flat: bool = False, x_unique: bool = False) -> list:
     """Simulated cycles per second of every path on one job per array size,
     one after another in one run (so machine load affects them alike): the
     C++ replay harness with 1 and 2 Verilator threads (the limit), the cocotb
     testbench under Verilator, and under Icarus (at 32x32 on a shorter job:
     Icarus runs a few cycles per second there).  32x32 only with ``full``;
     ``flat`` adds the replay of a fully flat 32x32 build with 2 threads (a
-    build of about 15 minutes)."""
+    build of about 15 minutes); ``x_unique`` the 32x32 replay (1 thread) of a
+    build with ``--x-assign unique --x-initial unique`` (the X handling of
+    the testbench's ``x_seed`` runs) beside the default ``fast``."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="flashnpu-speed-") as tmp:
         for label, config, job_kw, icarus_kw in SPEED_POINTS:
@@ -94,6 +98,8 @@ def sim_speed(full: bool, flat: bool = False) -> list:
             rows += [_replay_row(label, config, case, job, t, tmp) for t in (1, 2)]
             if flat and label == "32x32":
                 rows.append(_replay_row(label, config, case, job, 2, tmp, hierarchical=False))
+            if x_unique and label == "32x32":
+                rows.append(_replay_row(label, config, case, job, 1, tmp, x_unique=True))
             rows.append(_cocotb_row(label, config, "verilator", case, job))
             if icarus_kw:
                 rows.append(_cocotb_row(label, config, "icarus", random_case(config=config, seed=1, **icarus_kw),
@@ -171,6 +177,8 @@ def main(argv=None) -> int:
                    help="only: perf profile of the 32x32 model into sim_profile.txt")
     p.add_argument("--flat", action="store_true",
                    help="with --full: also a fully flat 32x32 replay build (about 15 min to build)")
+    p.add_argument("--x-unique", action="store_true",
+                   help="with --full: also a 32x32 replay build with --x-assign/--x-initial unique")
     p.add_argument("--only", choices=("sim", "decode"), default=None,
                    help="rewrite only sim_speed.json or only decode.json")
     p.add_argument("--tokens", type=int, default=16, help="new tokens of the golden decode (default 16)")
@@ -191,10 +199,11 @@ def main(argv=None) -> int:
         return 0
     rows = drows = []
     if args.only != "decode":
-        rows = sim_speed(args.full, args.flat)
+        rows = sim_speed(args.full, args.flat, args.x_unique)
         (out / "sim_speed.json").write_text(json.dumps(
             dict(command="python -m flashnpu.scripts.bench_speed" + (" --full" if args.full else "")
-                 + (" --flat" if args.flat else "") + (" --only sim" if args.only else ""),
+                 + (" --flat" if args.flat else "") + (" --x-unique" if args.x_unique else "")
+                 + (" --only sim" if args.only else ""),
                  load_average=load, rows=rows), indent=1))
     if args.only != "sim":
         drows = [decode_speed("golden", args.tokens)]

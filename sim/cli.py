@@ -155,8 +155,11 @@ def _print_summary(s):
           f"causal {s['causal']}, mask {s['masked']}, kv_valid_len {s['kv_valid_len']}")
     st = s["stats"]
     if "cycles" in st:
-        print(f"  cycles {st['cycles']}, MAC utilization {100 * st.get('mac_utilization', 0):.1f} %, "
-              f"achieved {st.get('achieved_flops', 0) / 1e12:.3f} of {st.get('peak_flops', 0) / 1e12:.3f} TFLOP/s")
+        print(f"  cycles {st['cycles']}: MAC-issuing {100 * st['mac_utilization']:.1f} % of cycles, "
+              f"useful work {100 * st['useful_utilization']:.1f} % of the array's MAC slots "
+              f"(2 x visible query-key pairs x head_dim)")
+        print(f"  at an assumed {st['clock_hz'] / 1e9:g} GHz: issued {st['issued_flops'] / 1e12:.3f}, "
+              f"useful {st['useful_flops'] / 1e12:.3f} of peak {st['peak_flops'] / 1e12:.3f} TFLOP/s")
         if "mac_masked" in st:
             print(f"  MAC slots skipped at masked positions: {st['mac_masked']} of {st['mac_ops']} "
                   f"({100 * st['mac_masked'] / max(1, st['mac_ops']):.1f} %)")

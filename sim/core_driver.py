@@ -456,8 +456,8 @@ def check_run(job: QTileJob, run: CoreRun, log=print):
 
 
 # ------------------------------------------------------------------ building
-#: Verilator arguments of core builds: the PE and tree-node modules are
-#: ``hier_block``s (see ``hdl.array.module_texts``), verilated and compiled once.
+#: Verilator arguments of core builds: the PE row is a ``hier_block`` (see
+#: ``hdl.array.module_texts``), verilated and compiled once.
 CORE_BUILD_ARGS = ["--hierarchical"]
 
 

@@ -59,7 +59,7 @@ from flashnpu.hdl.npu import NPUError, register_map, sim_config
 from flashnpu.hdl.npu_map import LEN_BITS
 
 from .case import AttentionCase
-from .rtl_backend import NPUSession, plan_job
+from .rtl_backend import NPUSession, plan_job, stats_from_counters
 
 __all__ = ["Limits", "job_seed", "job_seeds", "worker_seeds", "generate_job", "generate_jobs", "make_job",
            "expected_tsv", "check", "repro_command", "RegressWorker", "run_regression", "summarize",
@@ -522,6 +522,15 @@ def check(spec: dict, case: AttentionCase, res: dict, config: NPUConfig, golden_
                 fails.append(f"float rule: {e}")
         if cnt and int(cnt.get("total_cycles", 0)) <= 0:
             fails.append("total_cycles counter is 0")
+        elif cnt and got == "OK":
+            # useful MACs (visible pairs) <= MACs run <= MACs issued <= the array's slots,
+            # so useful FLOP/s never exceeds the peak
+            st = stats_from_counters(cnt, config, case)
+            ran = int(cnt["mac_ops"]) - int(cnt["mac_masked"])
+            slots = config.macs_per_cycle * st["cycles"]
+            if not st["useful_macs"] <= ran <= int(cnt["mac_ops"]) <= slots:
+                fails.append(f"MAC counts: useful {st['useful_macs']} <= run {ran} <= issued "
+                             f"{cnt['mac_ops']} <= slots {slots} does not hold")
         sc = res.get("s_check")
         if spec.get("s_check") and sc is None:
             fails.append("S-tile check: no result")
@@ -656,12 +665,28 @@ def run_regression(specs: list[dict], config: NPUConfig, workers: int = 1, addre
     it; on a cluster each node builds its own under the runner's
     per-configuration lock.
     """
+    from .rtl_backend import THREADS_ENV
+
+    t0 = time.time()
+    rows_cols = rows_cols or (config.array_rows, config.array_cols)
+    saved_threads = os.environ.get(THREADS_ENV)
+    if workers > 1 and address is None and saved_threads is None:
+        # local workers share this machine's cores: single-threaded models (rtl_backend.sim_threads)
+        os.environ[THREADS_ENV] = "1"
+    try:
+        return _run(specs, config, workers, address, sim, base_seed, progress, illegal, inject, rows_cols,
+                    x_seed, t0)
+    finally:
+        if saved_threads is None:
+            os.environ.pop(THREADS_ENV, None)
+
+
+def _run(specs, config, workers, address, sim, base_seed, progress, illegal, inject, rows_cols, x_seed, t0):
+    """``run_regression`` once the Verilator thread count is settled."""
     from tqdm import tqdm
 
     from .rtl_backend import build_npu
 
-    t0 = time.time()
-    rows_cols = rows_cols or (config.array_rows, config.array_cols)
     build_npu(config, sim=sim, quiet=True, x_random=x_seed is not None)
     info = dict(engine="in-process", workers=1, address=None, build_s=round(time.time() - t0, 2), x_seed=x_seed)
     records: list[dict | None] = [None] * len(specs)

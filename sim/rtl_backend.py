@@ -45,6 +45,7 @@ import numpy as np
 from flashnpu.config import NPUConfig
 from flashnpu.errors import UsageError
 from flashnpu.golden import numerics as nx
+from flashnpu.golden import visible_mask
 from flashnpu.hdl.array import flat_row
 from flashnpu.hdl.mem_common import word_bytes
 from flashnpu.hdl.npu import NPU, NPU_MODULE, NPUError, npu_verilog, register_map, sim_config
@@ -137,19 +138,47 @@ def plan_job(case, config: NPUConfig, base: int = 0x1000, overrides: dict | None
                 o_extent=(oa, oa + o_bytes))
 
 
-#: arrays of at least this many PEs get a two-thread Verilator model (measured
-#: on the 32 x 32 replay, idle 2-core machine: 1,293 -> 1,989 cycles/s); the
-#: small ones stay single-threaded, so two pytest workers do not oversubscribe
+#: arrays of at least this many PEs get a two-thread Verilator model when a
+#: second core is free (measured on the 32 x 32 replay, idle 2-core machine:
+#: 1,239 -> 2,069 cycles/s); the small ones stay single-threaded
 THREADED_PES = 256
+
+#: environment variable that fixes the Verilator thread count (``sim_threads``)
+THREADS_ENV = "FLASHNPU_SIM_THREADS"
+
+
+def sim_threads(config: NPUConfig) -> int:
+    """Verilator ``--threads`` for the NPU at ``config``'s size: 2 from
+    ``THREADED_PES`` PEs up when this process may use two cores and no
+    sibling simulation shares them (pytest-xdist workers, the local workers
+    of ``flashnpu regress``), else 1.  A multi-threaded Verilator model waits
+    for its threads by spinning, so on shared cores it collapses (32 x 32
+    under load: 647 cycles/s with 2 threads against 1,724 with 1; README,
+    "Simulator speed").  ``FLASHNPU_SIM_THREADS=N`` overrides the choice.
+    Each thread count is its own cached build; results do not depend on it
+    (case S1).
+
+    Raises
+    ------
+    UsageError
+        when ``FLASHNPU_SIM_THREADS`` is not a whole number from 1 to 64.
+    """
+    env = os.environ.get(THREADS_ENV)
+    if env is not None:
+        if not env.strip().isdigit() or not 1 <= int(env) <= 64:
+            raise UsageError(f"{THREADS_ENV}={env!r}: expected a whole number of threads from 1 to 64")
+        return int(env)
+    if config.array_rows * config.array_cols < THREADED_PES or len(os.sched_getaffinity(0)) < 2:
+        return 1
+    return 1 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else 2
 
 
 def verilator_args(config: NPUConfig, hierarchical: bool = True) -> list[str]:
-    """The NPU's Verilator build choices at ``config``'s size: hierarchical
-    blocks (PE rows, PEs, tree nodes compiled once each), ``-O2`` instead of
-    Verilator's default ``-Os`` for the C++ (+6 % at 32 x 32), and two threads
-    from ``THREADED_PES`` PEs up.  Measurements: README, "Simulator speed"."""
-    threads = 2 if config.array_rows * config.array_cols >= THREADED_PES else 1
-    return ((["--hierarchical"] if hierarchical else []) + ["--threads", str(threads)]
+    """The NPU's Verilator build choices at ``config``'s size: the PE row
+    as a hierarchical block (compiled once, its PEs and tree nodes inside), ``-O2`` instead of
+    Verilator's default ``-Os`` for the C++ (+6 % at 32 x 32), and
+    ``sim_threads`` threads.  Measurements: README, "Simulator speed"."""
+    return ((["--hierarchical"] if hierarchical else []) + ["--threads", str(sim_threads(config))]
             + ["-CFLAGS", "-O2"])
 
 
@@ -158,10 +187,10 @@ def build_npu(config: NPUConfig, sim: str = "verilator", waves=False, quiet: boo
     """Build (or reuse) the NPU model for ``sim_config(config)``; returns the runner's handle.
     ``quiet``: the simulator build's output goes to ``build.log`` in the build folder;
     ``x_random``: a Verilator model with random power-up values (``runner.build``);
-    ``hierarchical``: Verilator builds the PE rows, PEs and tree nodes as
-    hierarchical blocks (default; a model with waves keeps PE row
-    ``WAVE_ROW`` out of them) or, False, everything flat (slower to build:
-    14 min against 1.5 min for the 32 x 32 NPU, measured)."""
+    ``hierarchical``: Verilator builds the PE row as a hierarchical block
+    (default; a model with waves keeps PE row ``WAVE_ROW`` out of it) or,
+    False, everything flat (slower to build: 14 min against about 2 min for
+    the 32 x 32 NPU, measured)."""
     scfg = sim_config(config)
     # Verilator traces only the top model of a --hierarchical build: a model
     # with waves keeps PE row WAVE_ROW out of the hierarchical blocks, so the
@@ -526,20 +555,38 @@ class NPUSession:
 
 
 def stats_from_counters(cnt: dict, config: NPUConfig, case) -> dict:
-    """The ``flashnpu sim`` statistics of one job from its NPU counters."""
+    """The ``flashnpu sim`` statistics of one job from its NPU counters.
+
+    Two kinds of work (FLOP = 2 per MAC; rates at ``config.clock_hz``, an
+    assumed clock: README, "Verilog and FPGA"):
+
+    * issued: ``mac_utilization`` = MAC-issuing cycles / cycles;
+      ``mac_slot_utilization`` = MAC slots issued (``mac_ops``, masked ones
+      included) / (R x C x cycles); ``issued_flops`` = 2 ``mac_ops`` per
+      cycle;
+    * useful: ``useful_macs`` = 2 x visible (query, key) pairs x head_dim
+      (Q.K^T and P.V; visibility from ``golden.visible_mask``: causal,
+      mask, kv_valid_len); ``useful_utilization`` = useful_macs / (R x C x
+      cycles); ``useful_flops`` = 2 useful_macs per cycle, never above
+      ``peak_flops``.
+    """
     cyc = max(1, int(cnt["total_cycles"]))
     macs = config.macs_per_cycle
     heads, seq_q, hd = case.q.shape
     seq_kv = case.k.shape[1]
+    pairs = int(visible_mask(heads, seq_q, seq_kv, causal=bool(case.causal), mask=case.mask,
+                             kv_valid_len=case.kv_valid_len).sum())
+    useful = 2 * pairs * hd
     st = dict(cycles=cyc,
               mac_utilization=int(cnt["mac_busy_cycles"]) / cyc,
-              achieved_flops=2.0 * int(cnt["mac_ops"]) / cyc * config.clock_hz / 1.0,
-              peak_flops=config.peak_flops,
-              useful_flops=4.0 * heads * seq_q * seq_kv * hd / cyc * config.clock_hz,
+              mac_slot_utilization=int(cnt["mac_ops"]) / (cyc * macs),
+              issued_flops=2.0 * int(cnt["mac_ops"]) / cyc * config.clock_hz,
+              visible_pairs=pairs, useful_macs=useful,
+              useful_utilization=useful / (cyc * macs),
+              useful_flops=2.0 * useful / cyc * config.clock_hz,
+              peak_flops=config.peak_flops, clock_hz=config.clock_hz,
               bytes_register=int(cnt["reg_bytes"]), bytes_sram=int(cnt["sram_bytes"]),
               bytes_tsv=int(cnt["tsv_bytes"]), bytes_dram=int(cnt["dram_bytes"]))
-    # MAC utilization counts MAC-issuing cycles of the whole R x C array
-    st["mac_slot_utilization"] = int(cnt["mac_ops"]) / (cyc * macs)
     st.update({k: int(v) for k, v in cnt.items()})
     return st
 

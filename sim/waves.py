@@ -61,6 +61,14 @@ exactly, without the bit range, or by a dotted suffix (``mid.x`` matches
 ``top.mid.x[7:0]``); ``*``/``?`` are wildcards.  Times take a unit suffix
 (``ps``, ``ns``, ``us``; default ns), or ``c`` for cycles with ``--period``.  Signals whose name starts with ``$``
 are the generator's intermediates; ``--all`` shows them.
+
+pywellen (a Rust reader of VCD and FST) was tried as a replacement: on a
+synthetic 84 MB VCD (5,125 signals) a value query took 0.6 s against
+vcdvcd's 2.3 s, and it reads FST.  But it merges one-bit wires whose names look like bits (``vis[0]`` ..
+``vis[15]``, which Yosys writes beside the vector ``vis[15:0]``; the 32x32
+NPU has 2,048 of them) into vectors with misleading names and ranges, so a
+query could show the wrong bits under a plausible name: the reader stays
+vcdvcd, and FST files open in GTKWave.
 """
 
 from __future__ import annotations

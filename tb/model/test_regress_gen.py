@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from cocotb_coverage.coverage import coverage_db
 
-from flashnpu.golden import flash_attention_hw
+from flashnpu.golden import flash_attention_hw, visible_mask
 from flashnpu.hdl.npu import NPUError
 from flashnpu.sim import regress as rg
 from flashnpu.sim.cli import array_config
@@ -124,12 +124,24 @@ def _legal_spec(seed=1):
     raise AssertionError("no legal spec")
 
 
+def _counters(case, **extra):
+    """Counters of a plausible run of ``case``: exactly its useful MACs
+    (2 x visible pairs x head_dim), in as few cycles as the array allows."""
+    h, sq, hd = case.q.shape
+    vis = visible_mask(h, sq, case.k.shape[1], causal=bool(case.causal), mask=case.mask,
+                       kv_valid_len=case.kv_valid_len)
+    useful = 2 * hd * int(vis.sum())
+    cyc = max(1, -(-useful // CFG4.macs_per_cycle))
+    return dict(total_cycles=cyc, mac_busy_cycles=cyc, mac_ops=useful, mac_masked=0, reg_bytes=0, sram_bytes=0,
+                tsv_bytes=0, dram_bytes=0, **extra)
+
+
 def test_checker_catches_a_flipped_golden_bit():
     spec = dict(_legal_spec(), s_check=False)
     job = rg.make_job(spec, CFG4)
     c = job["case"]
     gold = flash_attention_hw(c.q, c.k, c.v, config=CFG4, **c.kwargs()).o
-    res = dict(error=0, error_name="OK", o=gold.copy(), counters=dict(total_cycles=100), tsv=None)
+    res = dict(error=0, error_name="OK", o=gold.copy(), counters=_counters(c), tsv=None)
     assert rg.check(spec, c, res, CFG4) == []
     bad = gold.copy()
     bad.view(np.uint32)[0, 0, 0] ^= 1
@@ -137,6 +149,23 @@ def test_checker_catches_a_flipped_golden_bit():
     assert len(fails) == 1 and fails[0].startswith("bit-exact vs golden") and "1 of" in fails[0]
     fails = rg.check(spec, c, dict(res, error=3, error_name="BAD_HEADS"), CFG4)
     assert fails and "expected OK, got BAD_HEADS" in fails[0]
+
+
+def test_checker_catches_impossible_mac_counts():
+    """Useful MACs (2 x visible pairs x head_dim) <= MACs run (issued - masked)
+    <= issued <= R x C x cycles: a job breaking the chain fails, so useful
+    FLOP/s can never be reported above the peak."""
+    spec = dict(_legal_spec(), s_check=False)
+    c = rg.make_job(spec, CFG4)["case"]
+    gold = flash_attention_hw(c.q, c.k, c.v, config=CFG4, **c.kwargs()).o
+    cnt = _counters(c)
+    res = dict(error=0, error_name="OK", o=gold.copy(), counters=cnt, tsv=None)
+    assert rg.check(spec, c, res, CFG4) == []
+    for bad in (dict(cnt, mac_masked=1),                                  # one useful MAC not run
+                dict(cnt, total_cycles=cnt["total_cycles"] - 1),          # more MACs than slots
+                dict(cnt, mac_masked=cnt["mac_ops"] + 1)):                # more skipped than issued
+        (fail,) = rg.check(spec, c, dict(res, counters=bad), CFG4)
+        assert fail.startswith("MAC counts: useful") and "does not hold" in fail
 
 
 def test_checker_catches_a_rejected_job_that_wrote():
@@ -201,7 +230,7 @@ def test_checker_reads_the_s_tile_check():
     assert job["s_check"] == dict(threshold=0)
     c = job["case"]
     gold = flash_attention_hw(c.q, c.k, c.v, config=CFG4, **c.kwargs()).o
-    res = dict(error=0, error_name="OK", o=gold.copy(), counters=dict(total_cycles=100, kv_tiles=3), tsv=None,
+    res = dict(error=0, error_name="OK", o=gold.copy(), counters=_counters(c, kv_tiles=3), tsv=None,
                s_check=dict(stopped=False, tiles=3))
     assert rg.check(spec, c, res, CFG4) == []
     assert rg.check(spec, c, dict(res, s_check=None), CFG4) == ["S-tile check: no result"]

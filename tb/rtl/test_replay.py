@@ -100,3 +100,28 @@ def test_s2_flat_row_and_flat_build_trace_alike(case, tmp_path):
         assert tv[0] == tv[1], n
         changed += len(tv[0]) > 1
     assert changed > 10
+
+
+def test_thread_count_follows_free_cores(monkeypatch):
+    """Two Verilator threads only for a large array with two cores to itself;
+    FLASHNPU_SIM_THREADS overrides, and a bad value is one clear error."""
+    from flashnpu.config import DEFAULT
+    from flashnpu.errors import UsageError
+    from flashnpu.sim.rtl_backend import THREADS_ENV, sim_threads, verilator_args
+
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "1")
+    assert sim_threads(DEFAULT) == 2 and sim_threads(CFG) == 1
+    assert verilator_args(DEFAULT)[1:3] == ["--threads", "2"]
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")        # a sibling simulation on the other core
+    assert sim_threads(DEFAULT) == 1
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+    assert sim_threads(DEFAULT) == 1
+    monkeypatch.setenv(THREADS_ENV, "3")
+    assert sim_threads(CFG) == 3
+    for bad in ("0", "two", "-1", "65"):
+        monkeypatch.setenv(THREADS_ENV, bad)
+        with pytest.raises(UsageError, match=f"{THREADS_ENV}='{bad}'"):
+            sim_threads(DEFAULT)
