@@ -42,6 +42,7 @@ one-line command that reproduces it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -665,29 +666,15 @@ def run_regression(specs: list[dict], config: NPUConfig, workers: int = 1, addre
     it; on a cluster each node builds its own under the runner's
     per-configuration lock.
     """
-    from .rtl_backend import THREADS_ENV
+    from tqdm import tqdm
+
+    from .rtl_backend import build_npu, fixed_threads
 
     t0 = time.time()
     rows_cols = rows_cols or (config.array_rows, config.array_cols)
-    saved_threads = os.environ.get(THREADS_ENV)
-    if workers > 1 and address is None and saved_threads is None:
-        # local workers share this machine's cores: single-threaded models (rtl_backend.sim_threads)
-        os.environ[THREADS_ENV] = "1"
-    try:
-        return _run(specs, config, workers, address, sim, base_seed, progress, illegal, inject, rows_cols,
-                    x_seed, t0)
-    finally:
-        if saved_threads is None:
-            os.environ.pop(THREADS_ENV, None)
-
-
-def _run(specs, config, workers, address, sim, base_seed, progress, illegal, inject, rows_cols, x_seed, t0):
-    """``run_regression`` once the Verilator thread count is settled."""
-    from tqdm import tqdm
-
-    from .rtl_backend import build_npu
-
-    build_npu(config, sim=sim, quiet=True, x_random=x_seed is not None)
+    # local workers share this machine's cores: single-threaded models (rtl_backend.sim_threads)
+    with fixed_threads(1) if workers > 1 and address is None else contextlib.nullcontext():
+        build_npu(config, sim=sim, quiet=True, x_random=x_seed is not None)
     info = dict(engine="in-process", workers=1, address=None, build_s=round(time.time() - t0, 2), x_seed=x_seed)
     records: list[dict | None] = [None] * len(specs)
     bar = tqdm(total=len(specs), desc="regress", unit="job", disable=not progress, dynamic_ncols=True)
@@ -721,13 +708,16 @@ def _run_dask(specs, config, workers, address, sim, base_seed, rows_cols, illega
               x_seed=None) -> dict:
     from distributed import Client, LocalCluster, as_completed
 
+    from .rtl_backend import fixed_threads
+
     t1 = time.time()
     cluster = None
     if address:
         client = Client(address)
     else:
-        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                               dashboard_address=None, silence_logs=40)
+        with fixed_threads(1):                   # the worker processes inherit it
+            cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                                   dashboard_address=None, silence_logs=40)
         client = Client(cluster)
     info = dict(engine="dask", address=address or "local", engine_start_s=round(time.time() - t1, 2))
     try:

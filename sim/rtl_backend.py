@@ -28,6 +28,7 @@ the SRAM shrunk to the NPU's SRAM map (results do not depend on it).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import json
 import math
@@ -171,6 +172,20 @@ def sim_threads(config: NPUConfig) -> int:
     if config.array_rows * config.array_cols < THREADED_PES or len(os.sched_getaffinity(0)) < 2:
         return 1
     return 1 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else 2
+
+
+@contextlib.contextmanager
+def fixed_threads(n: int):
+    """``FLASHNPU_SIM_THREADS=n`` inside the block (processes started there
+    inherit it), unless the variable is already set; restored afterwards."""
+    if THREADS_ENV in os.environ:
+        yield
+        return
+    os.environ[THREADS_ENV] = str(int(n))
+    try:
+        yield
+    finally:
+        os.environ.pop(THREADS_ENV, None)
 
 
 def verilator_args(config: NPUConfig, hierarchical: bool = True) -> list[str]:

@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -107,7 +109,7 @@ def test_thread_count_follows_free_cores(monkeypatch):
     FLASHNPU_SIM_THREADS overrides, and a bad value is one clear error."""
     from flashnpu.config import DEFAULT
     from flashnpu.errors import UsageError
-    from flashnpu.sim.rtl_backend import THREADS_ENV, sim_threads, verilator_args
+    from flashnpu.sim.rtl_backend import THREADS_ENV, fixed_threads, sim_threads, verilator_args
 
     monkeypatch.delenv(THREADS_ENV, raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
@@ -116,6 +118,10 @@ def test_thread_count_follows_free_cores(monkeypatch):
     assert verilator_args(DEFAULT)[1:3] == ["--threads", "2"]
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")        # a sibling simulation on the other core
     assert sim_threads(DEFAULT) == 1
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "1")
+    with fixed_threads(1):                                        # flashnpu regress's local workers
+        assert sim_threads(DEFAULT) == 1
+    assert sim_threads(DEFAULT) == 2 and THREADS_ENV not in os.environ
     monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT")
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
     assert sim_threads(DEFAULT) == 1
