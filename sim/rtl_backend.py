@@ -204,8 +204,8 @@ def build_npu(config: NPUConfig, sim: str = "verilator", waves=False, quiet: boo
     ``x_random``: a Verilator model with random power-up values (``runner.build``);
     ``hierarchical``: Verilator builds the PE row as a hierarchical block
     (default; a model with waves keeps PE row ``WAVE_ROW`` out of it) or,
-    False, everything flat (slower to build: 14 min against about 2 min for
-    the 32 x 32 NPU, measured)."""
+    False, everything flat (the 32 x 32 NPU: over half an hour and an
+    8.4 GiB Verilator against about 2 minutes; README, "Simulator speed")."""
     scfg = sim_config(config)
     # Verilator traces only the top model of a --hierarchical build: a model
     # with waves keeps PE row WAVE_ROW out of the hierarchical blocks, so the
