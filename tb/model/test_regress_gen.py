@@ -152,8 +152,8 @@ def test_checker_catches_a_flipped_golden_bit():
 
 
 def test_checker_catches_impossible_mac_counts():
-    """Useful MACs (2 x visible pairs x head_dim) <= MACs run (issued - masked)
-    <= issued <= R x C x cycles: a job breaking the chain fails, so useful
+    """Useful MACs (2 x visible pairs x head_dim) <= MACs run (issued - masked),
+    and issued <= R x C x cycles: a job breaking either fails, so useful
     FLOP/s can never be reported above the peak."""
     spec = dict(_legal_spec(), s_check=False)
     c = rg.make_job(spec, CFG4)["case"]
