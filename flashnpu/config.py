@@ -24,8 +24,17 @@ dram_channels          8           assumption: one pseudo-channel group per die
 dram_channel_bytes     32          bytes per NPU cycle per channel (assumption:
                                    8 x 32 B x 1.5 GHz = 384 GB/s, the order of one
                                    HBM2E stack, 410 GB/s per JESD235C)
-dram_latency_cycles    100         assumption: ~67 ns at 1.5 GHz, the order of
-                                   tRCD + CL + controller of HBM2
+dram_latency_cycles    64          assumption: column command to data, ~43 ns at
+                                   1.5 GHz (CL 14 ns + controller, PHY and TSV
+                                   return path); row opening is timed apart
+dram_banks             16          HBM2 8Gb, 4 bank groups x 4 banks per channel
+                                   (DRAMsim3 configs/HBM2_8Gb_x128.ini)
+dram_row_bytes         1024        page of one channel: 64 columns x 128 bit
+                                   (same source)
+dram_t*_ns             see below   HBM2 8Gb timing of the same source (tCK 1 ns):
+                                   tRCD 14, tRP 14, tRAS 34, tRRD_L 6, tFAW 30,
+                                   tREFI 3900, tRFC 260 ns; converted to NPU
+                                   cycles by ``dram_timing_cycles`` (rounded up)
 dram_bytes             64 MiB      simulated DRAM window (assumption, not a limit
                                    of the design)
 tsv_data_lanes         256         = 8 x dram_channel_bytes: one lane per bit
@@ -77,8 +86,12 @@ class NPUConfig:
     sram_bytes, sram_banks, sram_bank_bytes : int
         Stacked SRAM capacity (bytes), bank count, bank port width (bytes).
     dram_dies, dram_channels, dram_channel_bytes, dram_latency_cycles : int
-        Stacked DRAM: dies, TSV channels, bytes per cycle per channel,
-        access latency in cycles.
+        Stacked DRAM: dies, channels (each with its own TSV bundle), bytes per
+        cycle per channel, column-command-to-data latency in cycles.
+    dram_banks, dram_row_bytes : int
+        Banks per channel and the row (page) size of one channel in bytes.
+    dram_trcd_ns, dram_trp_ns, dram_tras_ns, dram_trrd_ns, dram_tfaw_ns, dram_trefi_ns, dram_trfc_ns : int
+        DRAM timing in ns (``dram_timing_cycles`` gives cycles).
     dram_bytes : int
         Size of the simulated DRAM address space (bytes).
     tsv_data_lanes, tsv_spare_lanes : int
@@ -102,7 +115,16 @@ class NPUConfig:
     dram_dies: int = 8
     dram_channels: int = 8
     dram_channel_bytes: int = 32
-    dram_latency_cycles: int = 100
+    dram_latency_cycles: int = 64
+    dram_banks: int = 16
+    dram_row_bytes: int = 1024
+    dram_trcd_ns: int = 14
+    dram_trp_ns: int = 14
+    dram_tras_ns: int = 34
+    dram_trrd_ns: int = 6
+    dram_tfaw_ns: int = 30
+    dram_trefi_ns: int = 3900
+    dram_trfc_ns: int = 260
     dram_bytes: int = 64 * 1024 * 1024
     tsv_data_lanes: int = 256
     tsv_spare_lanes: int = 8
@@ -123,7 +145,7 @@ class NPUConfig:
         if self.tsv_spare_lanes < 0:
             raise ValueError(f"tsv_spare_lanes must be >= 0, not {self.tsv_spare_lanes!r}")
         for name in ("array_rows", "array_cols", "sram_banks", "sram_bank_bytes",
-                     "dram_channels", "dram_channel_bytes", "kv_slots"):
+                     "dram_channels", "dram_channel_bytes", "dram_banks", "dram_row_bytes", "kv_slots"):
             if not _is_pow2(getattr(self, name)):
                 raise ValueError(f"{name} must be a power of 2, not {getattr(self, name)!r}")
         if self.kv_slots < 2:
@@ -152,6 +174,13 @@ class NPUConfig:
                              f"{8 * self.dram_channel_bytes}, not {self.tsv_data_lanes!r}")
         if self.dram_bytes % 4096:
             raise ValueError(f"dram_bytes must be a multiple of 4096, not {self.dram_bytes!r}")
+        if self.dram_row_bytes < self.dram_channel_bytes:
+            raise ValueError(f"dram_row_bytes must be at least dram_channel_bytes={self.dram_channel_bytes}, "
+                             f"not {self.dram_row_bytes!r}")
+        t = self.dram_timing_cycles()
+        if t["trefi"] <= t["trfc"] + t["trp"]:
+            raise ValueError(f"dram_trefi_ns={self.dram_trefi_ns} leaves no time between refreshes "
+                             f"(tRFC {self.dram_trfc_ns} ns + tRP {self.dram_trp_ns} ns)")
 
     # --------------------------------------------------------------- derived
     @property
@@ -196,6 +225,20 @@ class NPUConfig:
     def dram_bytes_per_cycle(self) -> int:
         """Aggregate DRAM bandwidth in bytes per cycle."""
         return self.dram_channels * self.dram_channel_bytes
+
+    def dram_timing_cycles(self) -> dict:
+        """The DRAM timing parameters in NPU cycles: ``ceil(ns * clock_hz / 1e9)``.
+
+        Keys ``trcd, trp, tras, trrd, tfaw, trefi, trfc`` (cycles, int >= 1).
+        The nanosecond values are the ``dram_t*_ns`` fields (HBM2 8Gb, DRAMsim3
+        ``configs/HBM2_8Gb_x128.ini``; tRRD is its tRRD_L, the same-bank-group
+        spacing, applied to every pair of activates).
+        """
+        out = {}
+        for k in ("trcd", "trp", "tras", "trrd", "tfaw", "trefi", "trfc"):
+            ns = getattr(self, f"dram_{k}_ns")
+            out[k] = max(1, math.ceil(round(ns * self.clock_hz / 1e9, 6)))
+        return out
 
     def check_head_dim(self, head_dim) -> None:
         """Raise ``ValueError`` unless ``1 <= head_dim <= max_head_dim``."""

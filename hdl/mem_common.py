@@ -8,18 +8,19 @@ word is at the same time
 * what one DRAM channel delivers per cycle (``dram_channel_bytes``),
 * what one TSV bundle carries per cycle (``tsv_data_lanes`` / 8),
 
-so that a word crosses every level without reshaping::
+so that a word crosses every level without reshaping; the DMA moves one word
+per channel per cycle, ``dram_channels`` words into as many SRAM banks::
 
-    DRAM channel (32 B/cycle) --TSV bundle (256 lanes + spares)--> DMA --> SRAM bank (32 B)
+    DRAM channel c (32 B/cycle) --its TSV bundle (256 lanes + spares)--> DMA lane --> SRAM bank (32 B)
 
 Addresses on the block ports are **word addresses** (byte address >> log2 W);
 byte addresses only appear in DMA descriptors.  Writes carry a byte mask
 (one bit per byte, bit 0 = lowest byte = lowest address: little-endian), so
 rows whose length is not a word multiple can be written exactly.
 
-The round-robin arbiter here serves both the SRAM banks and the DRAM channels:
-each bank/channel takes one access per cycle, requesters that lose wait
-(their stream ``ready`` stays low).  The generator output helper
+The round-robin arbiter here serves the SRAM banks: each bank takes one
+access per cycle, requesters that lose wait (their stream ``ready`` stays
+low).  The generator output helper
 ``strip_zero_memory_init`` removes the all-zero initialisers Yosys writes for
 every large ``Memory`` (a 4 MiB SRAM would otherwise emit ~11 MB of ``initial``
 statements); the storage then powers up undefined in simulation, as a real

@@ -9,12 +9,13 @@ Dataflow, and which file holds which box
                     │ reg_check,               │ qtile ──► TileLoader (loader.py) ──wr──►  │
                     │ counters, TSV            │ otile ──► OWriter (owriter.py) ◄───o──────┘
                     │                          │ desc        │ wb    ▲            ▲
-                    │                          ▼             ▼       │ SRAM port 1 │ SRAM port 0
+                    │                          ▼             ▼       │ SRAM port 2 │ SRAM port 1
                     │                  DMAPort (dma_port.py)         │            │ (loader)
                     │                          │ desc  ▲ done        │            │
                     │                          ▼       │             │            │
-                    │        MemorySystem (dma.py): DMA, SRAM (sram.py), TSV links (tsv.py),
-                    │        DRAM timing (dram.py) ──bk──► DRAM storage (sim/dram_model.py)
+                    │        MemorySystem (dma.py): DMA (SRAM port 0, one word per channel
+                    │        per cycle), SRAM (sram.py), per channel a TSV bundle pair (tsv.py)
+                    │        and DRAM timing (dram.py) ──bk[c]──► DRAM storage (sim/dram_model.py)
                     ├── PerfCounters (counters.py): cycles, bytes per level, ops
                     ├── TSVControl (tsv_ctl.py): self-test, repair map, fault injection
                     ├── StallInjector (stall.py): test-only random SRAM backpressure
@@ -47,8 +48,9 @@ Design trade-offs
   that needs kv tile j (of the first query head of the GQA group) DMAs it,
   whole, into slot j; every later q tile and every other query head of the
   group has the loader read it straight from SRAM.  At 512 tokens, d = 128
-  that removes 8 x 32 KiB of K/V per q tile from the one-word-per-cycle DMA,
-  which would otherwise bound it (304 KiB per q tile against 8 192 MAC cycles).  The
+  that removes 8 x 32 KiB of K/V per q tile from the DMA and the DRAM
+  channels (the SRAM has the room; the DRAM's 256 B/cycle would carry it
+  in about 1 200 of the q tile's 8 192 MAC cycles, the energy is what it saves).  The
   slots of a KV head are rewritten for the next KV head only after the
   loader has finished the previous q tile.  Longer sequences stream K/V
   through slots 0 and 1 as ping-pong halves for every q tile (the DMA itself
@@ -155,7 +157,7 @@ class NPU(wiring.Component):
     csr_addr : In(word address), csr_w_en, csr_w_data (32), csr_r_en : In
     csr_r_data : Out(32)   valid one cycle after ``csr_r_en``
     irq : Out(1)           any ``irq`` bit set
-    bk : Out(DRAMBackendSignature)   to the DRAM storage model (outside the RTL)
+    bk[c] : Out(DRAMBackendSignature)   DRAM channel c to the storage model (outside the RTL)
 
     Raises
     ------
@@ -177,7 +179,7 @@ class NPU(wiring.Component):
         super().__init__({
             "csr_addr": In(self.regmap.addr_width), "csr_w_en": In(1), "csr_w_data": In(32),
             "csr_r_en": In(1), "csr_r_data": Out(32), "irq": Out(1),
-            "bk": Out(DRAMBackendSignature(addr_bits_for(config.dram_bytes, W), W)),
+            "bk": Out(DRAMBackendSignature(addr_bits_for(config.dram_bytes, W), W)).array(config.dram_channels),
         })
 
     def elaborate(self, platform):
@@ -208,9 +210,10 @@ class NPU(wiring.Component):
         wiring.connect(m, core=core.o, o_writer=ow.o)
         wiring.connect(m, loader=loader.sram, memory=mem.sram_ports[0])
         wiring.connect(m, o_writer=ow.sram, memory=mem.sram_ports[1])
-        wiring.connect(m, tsv_ctl=tsv.rd, memory=mem.tsv_rd)
-        wiring.connect(m, tsv_ctl=tsv.wr, memory=mem.tsv_wr)
-        wiring.connect(m, memory=mem.bk, npu=wiring.flipped(self.bk))
+        for c in range(cfg.dram_channels):
+            wiring.connect(m, tsv_ctl=tsv.rd[c], memory=mem.tsv_rd[c])
+            wiring.connect(m, tsv_ctl=tsv.wr[c], memory=mem.tsv_wr[c])
+            wiring.connect(m, memory=mem.bk[c], npu=wiring.flipped(self.bk[c]))
 
         self._wire_csrs(m, csr, ctrl, port, core, cnt, tsv, loader)
         # status and job flow between the blocks
@@ -267,7 +270,9 @@ class NPU(wiring.Component):
             csr.port("kv_check", "status").tile.eq(loader.stale.tile),
             csr.port("kv_check", "status").q_tile.eq(loader.stale.q_tile),
             tsv.ctl.eq(csr.port("tsv_ctl", "pulse")), tsv.repair.eq(csr.port("tsv_repair", "value")),
-            csr.port("tsv_status", "status").eq(tsv.status),
+            tsv.sel.eq(csr.port("tsv_sel", "value")),
+            tsv.fault_channels.eq(csr.port("tsv_fault_channels", "value")),
+            csr.port("tsv_status", "status").eq(tsv.status), csr.port("tsv_fail", "status").eq(tsv.fail),
         ]
         for link in ("rd", "wr"):
             m.d.comb += getattr(tsv, f"fault_{link}").eq(csr.port(f"tsv_fault_{link}", "value"))

@@ -146,24 +146,38 @@ def register_map(config: NPUConfig) -> RegisterMap:
                                        Field("tile", LEN_BITS, 8, "kv tile index within its q tile"),
                                        Field("q_tile", 8, 24, "q tile of the job (low 8 bits)")],
                     doc="the K/V tile that went stale (error KV_STALE)"))
-    rm.add(Register("tsv_ctl", "w1p", [Field("bist_rd", 1, 0), Field("bist_wr", 1, 1),
+    C = config.dram_channels
+    cb = max(1, (C - 1).bit_length())
+    rm.add(Register("tsv_ctl", "w1p", [Field("bist_rd", 1, 0, "self-test of every channel's read bundle"),
+                                       Field("bist_wr", 1, 1, "self-test of every channel's write bundle"),
                                        Field("repair_we", 1, 2, "write tsv_repair into a map")]))
     rm.add(Register("tsv_repair", "rw", [Field("idx", 8, 0), Field("lane", 16, 8), Field("valid", 1, 24),
-                                         Field("link", 1, 25, "0 = read link, 1 = write link")]))
+                                         Field("link", 1, 25, "0 = read link, 1 = write link"),
+                                         Field("channel", cb, 26, "the channel whose map is written")]))
+    rm.add(Register("tsv_sel", "rw", [Field("channel", cb, 0)],
+                    doc="the channel whose link status (tsv_status) and repair maps (tsv_*_map*) are read"))
     lb = tsv_lane_bits(config)
     for link in ("rd", "wr"):
         rm.add(Register(f"tsv_fault_{link}", "rw",
                         [Field("lanes", 16, 0, "bit i: physical lane base + i is faulty"),
                          Field("base", lb, 16, "first physical lane (spare s = tsv_data_lanes + s)"),
                          Field("stuck", 1, 16 + lb, "value the faulty lanes are stuck at")],
-                        doc=f"test-only stuck-at faults on the TSV {link} link (run its self-test after)"))
-    rm.add(Register("tsv_status", "ro", [Field("rd_status", 4, 0), Field("wr_status", 4, 4),
-                                         Field("rd_ok", 1, 8), Field("wr_ok", 1, 9)]))
+                        doc=f"test-only stuck-at faults on the TSV {link} links of the channels in "
+                            f"tsv_fault_channels (run the self-test after)"))
+    rm.add(Register("tsv_fault_channels", "rw", [Field("mask", C, 0, "bit c: channel c has the faults")],
+                    reset=1, doc="test-only: the channels tsv_fault_rd / tsv_fault_wr apply to"))
+    rm.add(Register("tsv_status", "ro", [Field("rd_status", 4, 0, "read link of channel tsv_sel"),
+                                         Field("wr_status", 4, 4, "write link of channel tsv_sel"),
+                                         Field("rd_ok", 1, 8, "every read link is OK"),
+                                         Field("wr_ok", 1, 9, "every write link is OK")]))
+    rm.add(Register("tsv_fail", "ro", [Field("rd", C, 0, "bit c: channel c's read link is not OK"),
+                                       Field("wr", C, 16, "bit c: channel c's write link is not OK")]))
     for link in ("rd", "wr"):
         for i in range(tsv_map_regs(config)):
             rm.add(Register(f"tsv_{link}_map{i}", "ro",
                             [Field("e0_lane", 15, 0), Field("e0_valid", 1, 15),
-                             Field("e1_lane", 15, 16), Field("e1_valid", 1, 31)]))
+                             Field("e1_lane", 15, 16), Field("e1_valid", 1, 31)],
+                            doc="repair-map entries 2i and 2i+1 of channel tsv_sel"))
     for name in COUNTERS:
         rm.add(Register(f"cnt_{name}_lo", "ro"))
         rm.add(Register(f"cnt_{name}_hi", "ro"))

@@ -20,9 +20,9 @@ Dataflow (P ports + the backdoor, B banks)::
 Wide ports (``lanes`` > 1) move ``L`` consecutive words per request: the
 port's word address counts groups of ``L`` words, a request needs the ``L``
 banks of its group (lane i = bank ``(g % (B/L))*L + i``) and is granted all of
-them or none.  Wide ports are granted first, the widest first (fixed
-priority, ties in port order), then the narrow ports share the remaining banks
-round-robin per bank.  A wide port models a wider bank-group access (e.g. the
+them or none.  Wide ports are granted first, in a fixed order (``priority``;
+default the widest first, ties in port order), then the narrow ports share the
+remaining banks round-robin per bank.  A wide port models a wider bank-group access (e.g. the
 NPU's O writer taking C FP32 lanes per cycle); the fixed priority keeps the
 grant atomic without a multi-bank round-robin, and the widest-first order
 keeps a wide stream from being throttled to the speed of a narrower one it
@@ -97,6 +97,9 @@ class StackedSRAM(wiring.Component):
         Words per request of each functional port (a power of two dividing
         ``sram_banks``; default 1 each).  Port p then has word address width
         ``addr_bits - log2(lanes[p])`` and data width ``8*W*lanes[p]``.
+    priority : tuple of int, optional
+        The wide ports (lanes > 1) in grant order; default the widest first
+        (ties in port order).
 
     Ports
     -----
@@ -107,9 +110,9 @@ class StackedSRAM(wiring.Component):
     bd : In(SRAMPortSignature)
         Backdoor port, lowest priority.
     rd_bytes, wr_bytes : Out(48)
-        Bytes read / written (W per word, L words per request of an L-lane
-        port; popcount(wmask) is *not* used: a write moves whole bank words)
-        over all ports, backdoor excluded.
+        Bytes read / written over all ports, backdoor excluded: W per bank
+        word, so L words per read of an L-lane port, and per write the
+        words whose byte mask is not empty (a partial word counts whole).
     conflict_cycles : Out(32)
         Sum over functional ports of cycles with a valid request that was not
         granted because another port held its bank (or its output FIFO was full).
@@ -124,10 +127,11 @@ class StackedSRAM(wiring.Component):
     ------
     ValueError
         If ``n_ports`` < 1, a lane count is not a power of two dividing the
-        bank count, or the configuration's word widths disagree.
+        bank count, ``priority`` is not an order of the wide ports, or the
+        configuration's word widths disagree.
     """
 
-    def __init__(self, config, n_ports: int = 2, lanes=None):
+    def __init__(self, config, n_ports: int = 2, lanes=None, priority=None):
         if not isinstance(n_ports, int) or n_ports < 1:
             raise ValueError(f"n_ports must be a positive int, not {n_ports!r}")
         self.config = config
@@ -144,6 +148,12 @@ class StackedSRAM(wiring.Component):
             raise ValueError(f"lanes must be {n_ports} powers of 2 dividing sram_banks={self.banks}, "
                              f"not {lanes!r}")
         self.lanes = lanes
+        wide = sorted((p for p in range(n_ports) if lanes[p] > 1), key=lambda p: (-lanes[p], p))
+        if priority is not None:
+            if sorted(priority) != sorted(wide):
+                raise ValueError(f"priority must order the wide ports {sorted(wide)!r}, not {priority!r}")
+            wide = list(priority)
+        self.wide_order = wide
         sig = SRAMPortSignature(self.addr_bits, self.wbytes)
         narrow = all(v == 1 for v in lanes)
         if narrow:
@@ -171,8 +181,7 @@ class StackedSRAM(wiring.Component):
         BD = N - 1
         L = list(self.lanes) + [1]
         gbits = [self.bank_bits - exact_log2(v) for v in L]       # bank-group index bits
-        # wide ports in priority order: the widest first (ties: port order)
-        wide = sorted((p for p in range(N) if L[p] > 1), key=lambda p: (-L[p], p))
+        wide = self.wide_order       # wide ports in grant order
 
         # per-port output FIFOs and read credits
         outs = []
@@ -297,7 +306,10 @@ class StackedSRAM(wiring.Component):
             ]
             if p != BD:
                 rd_terms.append(Mux(is_rd, L[p], 0))
-                wr_terms.append(Mux(g & port.req.payload.write, L[p], 0))
+                # a write moves the words whose byte mask is not empty (a
+                # bank with no byte enabled is not written)
+                lanes_written = sum(port.req.payload.wmask[W * i:W * (i + 1)].any() for i in range(L[p]))
+                wr_terms.append(Mux(g & port.req.payload.write, lanes_written, 0))
                 st = Signal(name=f"stall{p}")
                 m.d.comb += st.eq(port.req.valid & ~g)
                 stalls.append(st)

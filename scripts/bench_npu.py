@@ -7,9 +7,10 @@ Jobs (the issue's targets):
 * prefill: heads 1, seq_q = seq_kv = 512, head_dim 128, non-causal, 32 x 32
   array: MAC utilization = MAC-busy cycles / total cycles (target >= 90 %).
 * decode: seq_q 1, 9 query heads over 3 KV heads, head_dim 64, kv_len 256:
-  the job is bandwidth-bound; reported as the fraction of the roofline time
-  (bytes moved / bandwidth) at the DRAM peak (channels x bytes/cycle) and
-  at the one-word-per-cycle DMA path (one engine, W bytes/cycle).
+  the job is bandwidth-bound; reported as the fraction of the DRAM roof
+  the RTL's path has (``perf_model.roofs``: channels x bytes per channel per
+  cycle, every channel with its own DMA lane and TSV bundle): DRAM bytes /
+  (roof x cycles).
 
 Both jobs run in one cocotb session on one cached build, bit-exact checked
 against ``flash_attention_hw``.  Usage: ``python -m flashnpu.scripts.bench_npu
@@ -27,7 +28,7 @@ import numpy as np
 
 from flashnpu.config import DEFAULT, NPUConfig
 from flashnpu.golden import flash_attention_hw
-from flashnpu.hdl.mem_common import word_bytes
+from flashnpu.scripts.perf_model import roofs
 from flashnpu.sim.case import random_case
 from flashnpu.sim.rtl_backend import run_jobs, stats_from_counters
 
@@ -51,7 +52,6 @@ def main(argv=None) -> int:
     res = run_jobs([dict(case=prefill, name="prefill"), dict(case=decode, name="decode"),
                     dict(case=check, name="causal_check")], cfg, seed=3)
     wall = time.time() - t0
-    W = word_bytes(cfg)
     rows = []
     out = dict(config=cfg.to_dict(), wall_s=round(wall, 1), build=res[0]["build"], jobs={})
     for name, case, r in (("prefill", prefill, res[0]), ("decode", decode, res[1]),
@@ -60,14 +60,13 @@ def main(argv=None) -> int:
         exact = bool(np.array_equal(g.view(np.uint32), r["o"].view(np.uint32))) and r["error"] == 0
         st = stats_from_counters(r["counters"], cfg, case)
         cyc = st["cycles"]
-        dram_roof = r["counters"]["dram_bytes"] / cfg.dram_bytes_per_cycle
-        dma_roof = r["counters"]["dram_bytes"] / W
+        dram_roof = r["counters"]["dram_bytes"] / roofs(cfg)["dram_bytes_per_cycle"]
         job = dict(shape=case.shape, causal=case.causal, bit_exact=exact, cycles=cyc,
                    mac_utilization=st["mac_utilization"], mac_slot_utilization=st["mac_slot_utilization"],
                    useful_utilization=st["useful_utilization"],
                    issued_tflops=st["issued_flops"] / 1e12, useful_tflops=st["useful_flops"] / 1e12,
                    peak_tflops=cfg.peak_flops / 1e12,
-                   dram_roofline_fraction=dram_roof / cyc, dma_path_roofline_fraction=dma_roof / cyc,
+                   dram_roofline_fraction=dram_roof / cyc,
                    sim_wall_s=r["wall_s"], sim_cycles_per_s=round(cyc / max(r["wall_s"], 1e-9)),
                    counters=r["counters"])
         out["jobs"][name] = job
@@ -81,25 +80,23 @@ def main(argv=None) -> int:
              f"{out['build']['build_s']} s (cached afterwards); SRAM shrunk to the NPU's map "
              f"for simulation ({res[0]['sram_bytes_sim']} bytes, no effect on results).", "",
              "| job | shape | bit-exact | cycles | MAC util | useful util | useful / peak TFLOP/s | "
-             "DRAM-roofline fraction | DMA-path roofline fraction | DRAM bytes | masked MAC slots skipped | "
-             "sim cycles/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "fraction of the DRAM roof | DRAM bytes | masked MAC slots skipped | sim cycles/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, j in rows:
         sh = j["shape"]
         lines.append(f"| {name} | h{sh['heads']}/kv{sh['kv_heads']} q{sh['seq_q']} kv{sh['seq_kv']} "
                      f"d{sh['head_dim']} | {'yes' if j['bit_exact'] else 'NO'} | {j['cycles']} | "
                      f"{100 * j['mac_utilization']:.1f} % | {100 * j['useful_utilization']:.1f} % | "
                      f"{j['useful_tflops']:.2f} / {j['peak_tflops']:.2f} | "
-                     f"{100 * j['dram_roofline_fraction']:.1f} % | {100 * j['dma_path_roofline_fraction']:.1f} % | "
+                     f"{100 * j['dram_roofline_fraction']:.1f} % | "
                      f"{j['counters']['dram_bytes']} | "
                      f"{100 * j['counters']['mac_masked'] / max(1, j['counters']['mac_ops']):.1f} % | "
                      f"{j['sim_cycles_per_s']} |")
     lines += ["", "MAC util = MAC-issuing cycles / total cycles (the array issues R x C MACs per such "
               "cycle): issued slots. Useful util = 2 x visible query-key pairs x head_dim / (R x C x cycles): "
               f"the MACs the job needs. TFLOP/s at the assumed {cfg.clock_hz / 1e9:g} GHz clock (no timing "
-              "evidence for it: README, \"Verilog and FPGA\"). DRAM roofline = DRAM bytes / "
-              "(channels x bytes per channel per cycle); DMA-path "
-              "roofline = DRAM bytes / one bus word per cycle (one DMA engine). Masked MAC slots "
+              "evidence for it: README, \"Verilog and FPGA\"). Fraction of the DRAM roof = DRAM bytes / "
+              "(channels x bytes per channel per cycle x cycles), the path the RTL has. Masked MAC slots "
               "skipped = the NPU's mac_masked counter / mac_ops: slots at padding or causally masked "
               "positions, which neither write nor feed their multiplier data (the energy model "
               "charges only the others)."]

@@ -66,10 +66,13 @@ array operand movement   0.028 pJ/bit   ASSUMPTION: one PE hop of an FP16
 =======================  =============  =====================================
 
 Other ASSUMPTIONs: a write costs what a read costs at every level (Horowitz
-gives reads); the stacked SRAM sits on its own die, so every SRAM byte also
-crosses a die-to-die link and is charged the TSV energy per bit
-(``sram_crosses_tsv``); operand movement inside the array (``operand``) is
-charged per PE hop at the register figure.
+gives reads); operand movement inside the array (``operand``) is charged per
+PE hop at the register figure.  The SRAM die's crossing to the logic die is
+not charged by default: the RTL models the SRAM's ports with no link between
+them and the logic (no bandwidth limit, no spares beyond the banks'), so the
+energy model does not invent one; ``sram_crosses_tsv=True`` charges every
+SRAM byte one TSV crossing for a sensitivity sweep.  The TSV term charges
+the DRAM channels' bundles, which the RTL does model (``tsv_bytes``).
 """
 
 from __future__ import annotations
@@ -163,8 +166,8 @@ class EnergyTable:
     operand_pj_per_bit : float
         pJ per bit per PE hop of an operand moving across the array.
     sram_crosses_tsv : bool
-        Charge every SRAM byte one TSV crossing as well (the SRAM is on its
-        own die above the logic die).  ASSUMPTION, default True.
+        Charge every SRAM byte one TSV crossing as well (default False: the
+        RTL has no link between SRAM and logic, see the module docstring).
     """
 
     reg_pj_per_bit: float = _REG_PJ_PER_BIT
@@ -179,7 +182,7 @@ class EnergyTable:
     recip_pj: float = 4 * 3.7 + 2 * 0.9
     cmp_pj: float = 0.9
     operand_pj_per_bit: float = _REG_PJ_PER_BIT
-    sram_crosses_tsv: bool = True
+    sram_crosses_tsv: bool = False
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -64,7 +64,6 @@ rejected job) are made by the caller, which owns the expectations.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import random
@@ -80,7 +79,7 @@ from flashnpu.hdl.core import BufSel, Phase, register_name
 from flashnpu.hdl.npu import COUNTERS, NPUError, register_map
 from flashnpu.hdl.tsv import LinkStatus
 from flashnpu.sim.case import AttentionCase
-from flashnpu.sim.dram_model import DRAMModel
+from flashnpu.sim.dram_model import DRAMModel, simulator_dram
 from flashnpu.sim.rtl_backend import O_SENTINEL, plan_job
 from flashnpu.sim.tile_checks import expected_p_counts, mask_bit_address
 
@@ -89,25 +88,7 @@ RMAP = register_map(CFG)
 CLOCK_NS = 1                      # simulated clock period (the waves' cycle numbers assume it)
 
 
-def _dram_hook():
-    """The simulator's own DRAM storage (``sim/dram_hook.cpp``, linked into
-    Verilator builds made with ``runner.build(dram_word=...)``): returns
-    (ctypes library, numpy view of the storage) or None (Icarus, or a build
-    without it)."""
-    lib = ctypes.CDLL(None)
-    if not hasattr(lib, "flashnpu_dram_attach"):
-        return None
-    lib.flashnpu_dram_attach.restype = ctypes.POINTER(ctypes.c_uint8)
-    lib.flashnpu_dram_attach.argtypes = [ctypes.c_uint64]
-    lib.flashnpu_dram_serve.argtypes = [ctypes.c_int]
-    lib.flashnpu_dram_errors.restype = ctypes.c_uint64
-    ptr = lib.flashnpu_dram_attach(CFG.dram_bytes)
-    if not ptr:
-        raise MemoryError(f"the simulator could not allocate its {CFG.dram_bytes}-byte DRAM")
-    return lib, np.ctypeslib.as_array(ptr, shape=(CFG.dram_bytes,))
-
-
-HOOK = _dram_hook()
+HOOK = simulator_dram(CFG.dram_bytes)
 
 
 class XValueError(ValueError):
@@ -158,9 +139,10 @@ class Host:
 
 async def reset(dut):
     dut.rst.value = 1
-    # bk__resp_valid: a DRAM server cancelled mid-stream (a job stopped by a
-    # check) leaves it high, and the next job would take a stale word
-    for n in ("csr_w_en", "csr_r_en", "csr_addr", "csr_w_data", "bk__resp_valid"):
+    # bk__<c>__resp_valid: a DRAM server cancelled mid-stream (a job stopped
+    # by a check) leaves it high, and the next job would take a stale word
+    for n in ("csr_w_en", "csr_r_en", "csr_addr", "csr_w_data",
+              *(f"bk__{c}__resp_valid" for c in range(CFG.dram_channels))):
         getattr(dut, n).value = 0
     await ClockCycles(dut.clk, 3)
     dut.rst.value = 0

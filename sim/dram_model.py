@@ -1,15 +1,15 @@
 """Storage model of the stacked DRAM, behind the RTL timing model's backend bus.
 
-The RTL (``flashnpu.hdl.dram.StackedDRAM``) keeps channels, latency and
-bandwidth; this module keeps the bytes.  ``DRAMModel`` is a sparse store of
+The RTL (``flashnpu.hdl.dram.StackedDRAM``) keeps channels, banks, rows,
+refresh, latency and bandwidth; this module keeps the bytes.  ``DRAMModel`` is a sparse store of
 4 KiB pages (untouched pages read as zero), so a 64 MiB address space costs
 memory only where it is written.  It is the DRAM's backdoor too: tests and
 the host driver call ``read``/``write`` directly, as cocotbext-axi's RAM
 models separate storage from protocol.
 
-Two adapters serve the backend bus (``DRAMBackendSignature``): one for
-amaranth.sim testbenches (:meth:`DRAMModel.amaranth_server`) and one for
-cocotb (:meth:`DRAMModel.cocotb_server`).  Both apply writes and answer reads
+Two adapters serve the channels' backend buses (``DRAMBackendSignature``):
+one for amaranth.sim testbenches (:meth:`DRAMModel.amaranth_server`, one per
+channel) and one for cocotb (:meth:`DRAMModel.cocotb_server`, every channel).  Both apply writes and answer reads
 one cycle after the request is visible, in order; optionally with random
 extra delay (``max_extra_delay``) to exercise the RTL's buffering — the total
 must stay below the modelled latency or the RTL flags ``late``.  Verilator
@@ -28,7 +28,7 @@ from collections import deque
 
 import numpy as np
 
-__all__ = ["DRAMModel", "ByteStore", "copy2d", "word_to_bytes", "bytes_to_word"]
+__all__ = ["DRAMModel", "ByteStore", "copy2d", "word_to_bytes", "bytes_to_word", "simulator_dram"]
 
 PAGE = 4096
 
@@ -144,6 +144,7 @@ class DRAMModel(ByteStore):
     def __init__(self, config, seed=None, max_extra_delay: int = 0, buffer: np.ndarray | None = None):
         super().__init__(config.dram_bytes, buffer)
         self.wbytes = config.dram_channel_bytes
+        self.channels = config.dram_channels
         self.rng = random.Random(seed)
         self.max_extra_delay = max_extra_delay
         self.reads = 0
@@ -196,39 +197,44 @@ class DRAMModel(ByteStore):
 
     # --------------------------------------------------------- cocotb
     async def cocotb_server(self, dut, clk, prefix: str = "bk__"):
-        """A cocotb coroutine serving the backend bus whose ports start with ``prefix``.
+        """A cocotb coroutine serving every channel's backend bus: the ports
+        of channel c start with ``f"{prefix}{c}__"``.
 
-        Samples the (registered) request in the falling-edge half of each
-        cycle and drives the answer right after the next rising edge.  Start
-        it with ``cocotb.start_soon(model.cocotb_server(dut, dut.clk))``.
+        Samples the (registered) requests in the falling-edge half of each
+        cycle and drives the answers right after the next rising edge; each
+        channel answers in its own request order.  Start it with
+        ``cocotb.start_soon(model.cocotb_server(dut, dut.clk))``.
         """
         # deferred: cocotb is importable only inside the simulator process
         from cocotb.triggers import FallingEdge, RisingEdge
 
-        g = lambda n: getattr(dut, prefix + n)
-        req_valid, req_write, req_addr = g("req_valid"), g("req_write"), g("req_addr")
-        req_wmask, req_wdata = g("req_wmask"), g("req_wdata")
-        resp_valid, resp_data = g("resp_valid"), g("resp_data")
-        resp_valid.value = 0
-        queue = deque()
+        buses = []
+        for c in range(self.channels):
+            g = lambda n, c=c: getattr(dut, f"{prefix}{c}__{n}")
+            bus = [g(n) for n in ("req_valid", "req_write", "req_addr", "req_wmask", "req_wdata",
+                                  "resp_valid", "resp_data")]
+            bus[5].value = 0
+            buses.append((bus, deque()))
         cycle = 0
         while True:
             await FallingEdge(clk)
             cycle += 1
-            if int(req_valid.value):
-                r = self._access(int(req_write.value), int(req_addr.value), int(req_wmask.value),
-                                 int(req_wdata.value))
-                if r is not None:
-                    extra = self.rng.randint(0, self.max_extra_delay) if self.max_extra_delay else 0
-                    due = max(cycle + 1 + extra, queue[-1][0] + 1 if queue else 0)
-                    queue.append((due, r))
+            for (req_valid, req_write, req_addr, req_wmask, req_wdata, _, _), queue in buses:
+                if int(req_valid.value):
+                    r = self._access(int(req_write.value), int(req_addr.value), int(req_wmask.value),
+                                     int(req_wdata.value))
+                    if r is not None:
+                        extra = self.rng.randint(0, self.max_extra_delay) if self.max_extra_delay else 0
+                        due = max(cycle + 1 + extra, queue[-1][0] + 1 if queue else 0)
+                        queue.append((due, r))
             await RisingEdge(clk)
-            if queue and queue[0][0] <= cycle + 1:
-                _, r = queue.popleft()
-                resp_valid.value = 1
-                resp_data.value = r
-            else:
-                resp_valid.value = 0
+            for (*_, resp_valid, resp_data), queue in buses:
+                if queue and queue[0][0] <= cycle + 1:
+                    _, r = queue.popleft()
+                    resp_valid.value = 1
+                    resp_data.value = r
+                else:
+                    resp_valid.value = 0
 
 
 def copy2d(src: ByteStore, dst: ByteStore, src_addr: int, dst_addr: int, rows: int,
@@ -236,3 +242,25 @@ def copy2d(src: ByteStore, dst: ByteStore, src_addr: int, dst_addr: int, rows: i
     """Reference semantics of one 2-D DMA descriptor (byte exact)."""
     for r in range(rows):
         dst.write(dst_addr + r * dst_stride, src.read(src_addr + r * src_stride, bytes_per_row))
+
+
+def simulator_dram(nbytes: int):
+    """The simulator's own DRAM storage (``sim/dram_hook.cpp``, linked into
+    the Verilator builds made with ``runner.build(dram_word=...)``): returns
+    (ctypes library, numpy uint8 view of its ``nbytes`` bytes), or None when
+    the running simulator has no such storage (Icarus, or a build without it).
+
+    Raises ``MemoryError`` when the simulator cannot allocate ``nbytes``.
+    """
+    import ctypes
+    lib = ctypes.CDLL(None)
+    if not hasattr(lib, "flashnpu_dram_attach"):
+        return None
+    lib.flashnpu_dram_attach.restype = ctypes.POINTER(ctypes.c_uint8)
+    lib.flashnpu_dram_attach.argtypes = [ctypes.c_uint64]
+    lib.flashnpu_dram_serve.argtypes = [ctypes.c_int]
+    lib.flashnpu_dram_errors.restype = ctypes.c_uint64
+    ptr = lib.flashnpu_dram_attach(nbytes)
+    if not ptr:
+        raise MemoryError(f"the simulator could not allocate its {nbytes}-byte DRAM")
+    return lib, np.ctypeslib.as_array(ptr, shape=(nbytes,))

@@ -1,13 +1,26 @@
-"""Testbench of the generated MemorySystem Verilog (DMA + DRAM timing + TSV
+"""Testbench of the generated MemorySystem Verilog (DMA + DRAM channels + TSV
 links + SRAM) for cocotb: runs inside the simulator process.
 
 Layering: ``MemTB`` owns the drivers (descriptor source with random idle,
 completion sink with random back-pressure, SRAM consumer traffic with random
-idle/back-pressure, backdoor), the storage model (``DRAMModel`` answering the
-backend bus with random delay) and the scoreboard (``ByteStore`` copies of
-SRAM and DRAM updated with ``copy2d`` for every accepted descriptor).  Every
-byte that arrives is compared with what was sent.  The seed comes from
-``FLASHNPU_SEED`` (or cocotb's seed) and is logged.
+idle/back-pressure, backdoor, the TSV control of every channel), the storage
+model (``DRAMModel`` answering every channel's backend bus ``bk__<c>__``) and
+the scoreboard (``ByteStore`` copies of SRAM and DRAM updated with ``copy2d``
+for every accepted descriptor).  Every byte that arrives is compared with
+what was sent.  The seed comes from ``FLASHNPU_SEED`` (or cocotb's seed) and
+is logged.
+
+Who answers the backend buses: a build made with ``build_memsys(...,
+dram_hook=True)`` links ``sim/dram_hook.cpp``, which serves them from the
+Verilator main loop with no Python per cycle (``HOOK``); ``MemTB`` uses it
+when ``model_delay == 0`` and otherwise starts ``DRAMModel.cocotb_server``
+(random answer delays).  The bytes live in one store either way.
+
+Per-channel ports (``c`` in ``0 .. dram_channels-1``): ``bk__<c>__*`` and the
+TSV bundles ``tsv_rd__<c>__*`` (DRAM -> logic) and ``tsv_wr__<c>__*``
+(logic -> DRAM).  ``start(faults=...)`` injects stuck-at lanes per bundle
+before the self-test; ``bist(link)`` runs the self-test of every channel's
+bundle at once, as the NPU's ``tsv_ctl`` register does.
 
 ``StreamSource`` / ``StreamSink`` are the cocotb stream drivers, with seeded
 idle and back-pressure generators (as cocotbext-axi's
@@ -32,19 +45,23 @@ from cocotb.triggers import ClockCycles, FallingEdge, RisingEdge
 from cocotb.utils import get_sim_time
 
 from flashnpu.config import NPUConfig
-from flashnpu.hdl.dma import Direction, DMAError, completion_layout, descriptor_layout
+from flashnpu.hdl.dma import Direction, DMAError, MemorySystem, completion_layout, descriptor_layout
 from flashnpu.hdl.mem_common import addr_bits_for, sram_req_layout, word_bytes
 from flashnpu.hdl.tsv import LinkStatus
-from flashnpu.sim.dram_model import ByteStore, DRAMModel, copy2d
+from flashnpu.sim.dram_model import ByteStore, DRAMModel, copy2d, simulator_dram
 from flashnpu.sim.packing import pack, unpack
 
 CFG = NPUConfig.from_json(os.environ["FLASHNPU_CONFIG"])
 META = json.loads(os.environ.get("FLASHNPU_META", "{}"))
 W = word_bytes(CFG)
+C = CFG.dram_channels
 SRAM = CFG.sram_bytes
 REQ = sram_req_layout(addr_bits_for(SRAM, W), W)
 NDATA, NSPARE = CFG.tsv_data_lanes, CFG.tsv_spare_lanes
 N_CONS = META.get("n_consumers", 2)
+LINKS = ("rd", "wr")
+#: MemorySystem's DRAM counters (ports ``dram_<name>``), summed over the channels
+DRAM_COUNTERS = ("rd_bytes", "wr_bytes") + MemorySystem.DRAM_COUNTERS
 
 # SRAM map used by the tests (bytes)
 Q_BASE = 0x0
@@ -61,16 +78,30 @@ def env_seed() -> int:
     return int(s) if s else int(cocotb.RANDOM_SEED)
 
 
+def now() -> int:
+    """The simulation time in cycles (1 ns clock)."""
+    return int(get_sim_time("ns"))
+
+
+HOOK = simulator_dram(CFG.dram_bytes)
+
+
 class MemTB:
-    """Testbench object: start/stop, drivers, model, scoreboard."""
+    """Testbench object: start/stop, drivers, model, scoreboard.
+
+    ``model_delay``: the largest random extra delay of a DRAM answer (cycles);
+    0 uses the simulator's own DRAM server when the build has it.
+    """
 
     def __init__(self, dut, seed, desc_idle=0.3, done_bp=0.3, cons_idle=0.3, cons_bp=0.3,
                  model_delay=20, consumers=True, bd_rand=0.2):
         self.dut = dut
         self.seed = seed
-        dut._log.info(f"seed={seed}")
         self.rng = random.Random(seed)
-        self.model = DRAMModel(CFG, seed=seed, max_extra_delay=model_delay)
+        self.use_hook = HOOK is not None and model_delay == 0
+        self.model = DRAMModel(CFG, seed=seed, max_extra_delay=model_delay, buffer=HOOK[1] if HOOK else None)
+        dut._log.info(f"seed={seed}, DRAM served by "
+                      + ("the simulator (sim/dram_hook.cpp)" if self.use_hook else "the Python model"))
         self.sram = ByteStore(SRAM)
         self.dram = ByteStore(CFG.dram_bytes)
         self.desc = StreamSource(dut, "desc", dut.clk, random.Random(seed + 1), desc_idle)
@@ -84,12 +115,18 @@ class MemTB:
         self._tasks = []
 
     # ------------------------------------------------------------ lifecycle
-    async def start(self, rd_stuck0=0, rd_stuck1=0, wr_stuck0=0, wr_stuck1=0, train=True):
+    async def start(self, faults=None, train=True):
+        """Clock, reset, DRAM server, sinks; then (``train``) the self-test of
+        every TSV bundle.  ``faults``: ``{(link, channel): (stuck0, stuck1)}``
+        lane masks (``link`` "rd" or "wr") applied before the self-test."""
         d = self.dut
         self._tasks.append(cocotb.start_soon(Clock(d.clk, 1, unit="ns").start()))
+        if HOOK:
+            HOOK[0].flashnpu_dram_serve(0)
         d.rst.value = 1
-        for name in ("pp_release", "tsv_rd__repair_we", "tsv_wr__repair_we", "tsv_rd__bist_start",
-                     "tsv_wr__bist_start", "bk__resp_valid", "sram_stall"):
+        zero = ["pp_release", "sram_stall", *(f"bk__{c}__resp_valid" for c in range(C)),
+                *(f"tsv_{link}__{c}__{n}" for link in LINKS for c in range(C) for n in ("repair_we", "bist_start"))]
+        for name in zero:
             getattr(d, name).value = 0
         for i in range(N_CONS):
             getattr(d, f"sram_ports__{i}__req__valid").value = 0
@@ -100,35 +137,97 @@ class MemTB:
         d.sram_hi.value = SRAM
         d.pp_base.value = PP_BASE
         d.pp_half_bytes.value = PP_HALF
-        d.tsv_rd__fault_stuck0.value = rd_stuck0
-        d.tsv_rd__fault_stuck1.value = rd_stuck1
-        d.tsv_wr__fault_stuck0.value = wr_stuck0
-        d.tsv_wr__fault_stuck1.value = wr_stuck1
+        for link in LINKS:
+            for c in range(C):
+                self.set_faults(link, c, *(faults or {}).get((link, c), (0, 0)))
         await ClockCycles(d.clk, 3)
         d.rst.value = 0
-        self._tasks.append(cocotb.start_soon(self.model.cocotb_server(d, d.clk)))
+        if self.use_hook:
+            HOOK[0].flashnpu_dram_serve(1)
+        else:
+            self._tasks.append(cocotb.start_soon(self.model.cocotb_server(d, d.clk)))
         self._tasks.append(cocotb.start_soon(self.done.run()))
         self._tasks.append(cocotb.start_soon(self.bd_rdata.run()))
         if train:
-            await self.bist("tsv_rd")
-            await self.bist("tsv_wr")
+            for link in LINKS:
+                await self.bist(link)
 
     def stop(self):
+        """Stop every coroutine; with the simulator's DRAM server, stop it and
+        fail on an access outside the DRAM."""
         for t in self._tasks:
             t.cancel()
         self._tasks = []
+        if HOOK:
+            HOOK[0].flashnpu_dram_serve(0)
+            assert HOOK[0].flashnpu_dram_errors() == 0, "the DRAM server saw an access outside the DRAM"
 
-    async def bist(self, link):
+    # ------------------------------------------------------------ TSV bundles
+    def tsv(self, link, c, name):
+        """Port ``name`` of channel ``c``'s ``link`` ("rd" or "wr") bundle."""
+        return getattr(self.dut, f"tsv_{link}__{c}__{name}")
+
+    def status(self, link, c) -> LinkStatus:
+        return LinkStatus(int(self.tsv(link, c, "status").value))
+
+    def set_faults(self, link, c, stuck0=0, stuck1=0):
+        """Test-only stuck-at lanes of one bundle (seen by the next self-test)."""
+        self.tsv(link, c, "fault_stuck0").value = stuck0
+        self.tsv(link, c, "fault_stuck1").value = stuck1
+
+    async def bist(self, link, channels=None):
+        """Self-test of the ``link`` bundles of ``channels`` (default every
+        channel) at once; returns every channel's status once none is in BIST."""
         d = self.dut
+        chans = range(C) if channels is None else channels
         await RisingEdge(d.clk)
-        getattr(d, f"{link}__bist_start").value = 1
+        for c in chans:
+            self.tsv(link, c, "bist_start").value = 1
         await RisingEdge(d.clk)
-        getattr(d, f"{link}__bist_start").value = 0
+        for c in chans:
+            self.tsv(link, c, "bist_start").value = 0
         for _ in range(4 * (NDATA + NSPARE) + 50):
             await FallingEdge(d.clk)
-            if int(getattr(d, f"{link}__status").value) != LinkStatus.BIST:
-                return LinkStatus(int(getattr(d, f"{link}__status").value))
-        raise AssertionError(f"{link} BIST did not finish")
+            st = [self.status(link, c) for c in range(C)]
+            if LinkStatus.BIST not in st:
+                return st
+        raise AssertionError(f"{link} BIST did not finish: {st}")
+
+    async def repair(self, link, c, idx, valid, lane):
+        """Host write of repair-map entry ``idx`` of channel ``c``'s ``link`` bundle."""
+        await RisingEdge(self.dut.clk)
+        for name, v in (("repair_we", 1), ("repair_idx", idx), ("repair_valid", valid), ("repair_lane", lane)):
+            self.tsv(link, c, name).value = v
+        await RisingEdge(self.dut.clk)
+        self.tsv(link, c, "repair_we").value = 0
+
+    # ------------------------------------------------------------ counters
+    def dram_counters(self) -> dict:
+        """The DRAM counters (summed over the channels) and the DMA's."""
+        d = self.dut
+        out = {k: int(getattr(d, f"dram_{k}").value) for k in DRAM_COUNTERS}
+        for k in ("bytes_moved", "beats", "active_cycles"):
+            out[f"dma_{k}"] = int(getattr(d, f"dma_{k}").value)
+        return out
+
+    async def after_refresh(self, gap=None):
+        """Wait until every channel has finished a refresh, then ``gap`` cycles
+        more (default tRP + tRFC + tRCD + tRP: every bank closed, every timer
+        run out): the DRAM is then in the same state at the same refresh phase
+        every time, so two transfers started this way take equal cycles."""
+        t = CFG.dram_timing_cycles()
+        gap = 2 * t["trp"] + t["trfc"] + t["trcd"] + 8 if gap is None else gap
+        d = self.dut
+        await FallingEdge(d.clk)
+        r0 = int(d.dram_refreshes.value)
+        for _ in range(t["trefi"] + 200):
+            await FallingEdge(d.clk)
+            r = int(d.dram_refreshes.value)
+            if r >= r0 + C and r % C == 0:
+                break
+        else:
+            raise AssertionError("no refresh in tREFI cycles")
+        await ClockCycles(d.clk, gap)
 
     # ------------------------------------------------------------ backdoor
     async def sram_write(self, addr, data: bytes):

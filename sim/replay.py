@@ -136,7 +136,8 @@ def build_replay(config: NPUConfig, threads: int = 1, hierarchical: bool = True,
                 cmd = [str(vbin / "verilator"), "--cc", "--exe", "--build", "-j", str(os.cpu_count() or 1),
                        "--top-module", NPU_MODULE, "--prefix", "Vtop", "-Mdir", str(bdir / "obj"),
                        "-O3", *runner.VERILATOR_WAIVERS,
-                       *args, "-CFLAGS", f"{cflags} -DFLASHNPU_WORD_BYTES={word_bytes(scfg)} -I{MAIN_CPP.parent}",
+                       *args, "-CFLAGS", f"{cflags} -DFLASHNPU_WORD_BYTES={word_bytes(scfg)} "
+                       f"-DFLASHNPU_DRAM_CHANNELS={scfg.dram_channels} -I{MAIN_CPP.parent}",
                        str(MAIN_CPP), str(vfile)]
                 if hierarchical:
                     cmd.append(str(runner.HIER_NEW_CPP))

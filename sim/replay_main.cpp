@@ -109,7 +109,8 @@ int main(int argc, char **argv) {
     h.top->rst = 1;
     h.top->csr_w_en = h.top->csr_r_en = 0;
     h.top->csr_addr = h.top->csr_w_data = 0;
-    h.top->FLASHNPU_BK(resp_valid) = 0;
+#define FLASHNPU_RESP_OFF(c) h.top->FLASHNPU_BK(c, resp_valid) = 0;
+    FLASHNPU_EACH(FLASHNPU_RESP_OFF)
     h.cycles(3);
     h.top->rst = 0;
     h.cycles(1);

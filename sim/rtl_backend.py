@@ -220,7 +220,7 @@ def build_npu(config: NPUConfig, sim: str = "verilator", waves=False, quiet: boo
                         waves=waves, key=f"npu-flat-row{WAVE_ROW}" if flat else "npu", verilog_text=text,
                         meta={"regmap": register_map(scfg).to_dict()},
                         build_args=verilator_args(scfg, hier) if sim == "verilator" else None, quiet=quiet,
-                        x_random=x_random, dram_word=word_bytes(scfg),
+                        x_random=x_random, dram_word=word_bytes(scfg), dram_channels=scfg.dram_channels,
                         traced=f"the top model and PE row {WAVE_ROW}" if flat else None)
 
 

@@ -290,7 +290,7 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
           verilog_text: Callable[[object], str] | None = None,
           meta: dict | None = None, build_args: list[str] | None = None,
           quiet: bool = False, x_random: bool = False, dram_word: int | None = None,
-          traced: str | None = None) -> BuildHandle:
+          dram_channels: int = 1, traced: str | None = None) -> BuildHandle:
     """Generate Verilog for ``top_factory()`` and build it once per configuration.
 
     Parameters
@@ -319,8 +319,10 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
     dram_word : int, optional
         Verilator: link the DRAM storage of ``sim/dram_hook.cpp`` (words of
         this many bytes) into the simulator's main loop, so the top's
-        ``bk__`` backend bus is served without Python (the testbench maps
-        the storage with ctypes); ignored by Icarus.
+        ``bk__<c>__`` backend buses are served without Python (the testbench
+        maps the storage with ctypes); ignored by Icarus.
+    dram_channels : int
+        The top's backend buses (``bk__0__`` ... ``bk__<dram_channels-1>__``).
     traced : str, optional
         What a ``--hierarchical`` build with waves traces, when the caller
         kept modules out of the hierarchical blocks for it (e.g. one PE
@@ -363,7 +365,8 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
         simkey.append(hashlib.sha256(HIER_NEW_CPP.read_bytes()).hexdigest())
     dram_word = dram_word if sim == "verilator" else None
     if dram_word:
-        simkey += [f"dram_word={dram_word}", hashlib.sha256(DRAM_HOOK_CPP.read_bytes()).hexdigest()]
+        simkey += [f"dram_word={dram_word}", f"dram_channels={dram_channels}",
+                   hashlib.sha256(DRAM_HOOK_CPP.read_bytes()).hexdigest()]
     digest = hashlib.sha256("\n".join([cfg_json, key, wkey, source_digest(), *simkey,
                                        " ".join((build_args or []) + x_args)]).encode()).hexdigest()[:12]
     bdir = BUILD_ROOT / "sim" / f"{name}-{sim}-{digest}"
@@ -400,7 +403,8 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
                         args += ["-s", wv.HOOK_MODULE]
                 if dram_word:
                     patches["the DRAM storage in the main loop"] = _DRAM_HOOK_PATCHES
-                    args += ["-CFLAGS", f"-DFLASHNPU_WORD_BYTES={dram_word} -I{DRAM_HOOK_CPP.parent}",
+                    args += ["-CFLAGS", f"-DFLASHNPU_WORD_BYTES={dram_word} -DFLASHNPU_DRAM_CHANNELS={dram_channels} "
+                             f"-I{DRAM_HOOK_CPP.parent}",
                              "-LDFLAGS", "-rdynamic"]
                 runner = _get_runner(sim, main_cpp=_cocotb_main(bdir, patches) if patches else None)
                 if sim == "verilator":

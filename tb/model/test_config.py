@@ -48,6 +48,12 @@ def test_config_imports_neither_amaranth_nor_cocotb():
     (dict(tsv_data_lanes=100), "tsv_data_lanes must equal 8*dram_channel_bytes=256, not 100"),
     (dict(dram_latency_cycles=1.5), "dram_latency_cycles must be an int, not 1.5"),
     (dict(pe_registers=True), "pe_registers must be an int, not True"),
+    (dict(dram_banks=3), "dram_banks must be a power of 2, not 3"),
+    (dict(dram_row_bytes=48), "dram_row_bytes must be a power of 2, not 48"),
+    (dict(dram_row_bytes=16), "dram_row_bytes must be at least dram_channel_bytes=32, not 16"),
+    (dict(dram_trcd_ns=0), "dram_trcd_ns must be positive, not 0"),
+    (dict(dram_trfc_ns=2.5), "dram_trfc_ns must be an int, not 2.5"),
+    (dict(dram_trefi_ns=274), "dram_trefi_ns=274 leaves no time between refreshes (tRFC 260 ns + tRP 14 ns)"),
 ])
 def test_every_field_is_validated_with_its_value(change, words):
     with pytest.raises(ValueError) as e:
@@ -58,3 +64,30 @@ def test_every_field_is_validated_with_its_value(change, words):
 def test_unknown_json_field_is_named():
     with pytest.raises(ValueError, match="rows_typo"):
         NPUConfig.from_dict({"rows_typo": 4})
+
+
+def test_dram_defaults_and_timing_in_cycles():
+    c = DEFAULT
+    assert (c.dram_latency_cycles, c.dram_banks, c.dram_row_bytes) == (64, 16, 1024)
+    ns = dict(trcd=14, trp=14, tras=34, trrd=6, tfaw=30, trefi=3900, trfc=260)     # HBM2 8Gb
+    assert {k: getattr(c, f"dram_{k}_ns") for k in ns} == ns
+    # ceil(ns * 1.5): 14 * 1.5 is 21.000000000000004 in floating point and stays 21
+    assert c.dram_timing_cycles() == dict(trcd=21, trp=21, tras=51, trrd=9, tfaw=45, trefi=5850, trfc=390)
+    assert c.replace(clock_hz=1e9).dram_timing_cycles() == ns
+    assert c.replace(clock_hz=1.1e9).dram_timing_cycles()["trcd"] == 16             # 15.4 rounds up
+    assert c.replace(clock_hz=1e6).dram_timing_cycles() == dict(trcd=1, trp=1, tras=1, trrd=1, tfaw=1,
+                                                                 trefi=4, trfc=1)   # at least 1 cycle
+
+
+@pytest.mark.parametrize("clock_hz, trefi_ns, ok", [
+    (1.5e9, 274, False), (1.5e9, 275, True),      # 411 <= 390 + 21 cycles; 413 > 411
+    (1e9, 274, False), (1e9, 275, True),          # 274 <= 260 + 14; 275 > 274
+])
+def test_trefi_must_leave_time_after_trfc_and_trp(clock_hz, trefi_ns, ok):
+    """The check is in cycles (after rounding up), strictly tREFI > tRFC + tRP."""
+    if ok:
+        t = DEFAULT.replace(clock_hz=clock_hz, dram_trefi_ns=trefi_ns).dram_timing_cycles()
+        assert t["trefi"] > t["trfc"] + t["trp"]
+    else:
+        with pytest.raises(ValueError, match=f"dram_trefi_ns={trefi_ns} leaves no time between refreshes"):
+            DEFAULT.replace(clock_hz=clock_hz, dram_trefi_ns=trefi_ns)

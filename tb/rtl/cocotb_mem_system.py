@@ -16,6 +16,7 @@ from flashnpu.sim.dram_model import copy2d
 from flashnpu.sim.mem_testbench import (
     CFG,
     DRAM_TENSOR,
+    LINKS,
     NDATA,
     NSPARE,
     PP_BASE,
@@ -25,9 +26,11 @@ from flashnpu.sim.mem_testbench import (
     SCRATCH,
     SRAM,
     STATIC,
+    C,
     MemTB,
     W,
     env_seed,
+    now,
 )
 from flashnpu.sim.packing import pack
 
@@ -49,6 +52,16 @@ def _row_addr(base, layout, heads, seq, hd, h, s):
     if layout == "heads_seq_dim":
         return base + (h * seq + s) * hd * 2, hd * 2
     return base + (s * heads + h) * hd * 2, heads * hd * 2
+
+
+def _check_dram_counters(tb):
+    """Every column access was queued either to an open row (hit) or with an
+    activate; nothing answered late."""
+    k = tb.dram_counters()
+    assert k["row_hits"] + k["activates"] == (k["rd_bytes"] + k["wr_bytes"]) // W, k
+    assert k["row_conflicts"] <= k["activates"], k
+    assert int(tb.dut.dram_late.value) == 0
+    tb.dut._log.info(f"DRAM counters: {k}")
 
 
 # ----------------------------------------------------------------------------
@@ -111,6 +124,7 @@ async def qkv_tiles_ping_pong(dut):
     assert int(dut.sram_conflict_cycles.value) > 0
     dut._log.info(f"consumer reads checked: {tb.cons_checked}, SRAM conflict cycles: "
                   f"{int(dut.sram_conflict_cycles.value)}")
+    _check_dram_counters(tb)
     tb.stop()
 
 
@@ -135,6 +149,7 @@ async def o_write_back(dut):
     assert all(c == DMAError.OK for _, c in tb.completions), tb.completions
     tb.check_dram(DRAM_TENSOR, DRAM_TENSOR + len(background), "O write-back")
     assert int(dut.dram_wr_bytes.value) == (heads * br * hd * 2 // W + 5) * W
+    _check_dram_counters(tb)
     tb.stop()
 
 
@@ -202,97 +217,150 @@ async def rejected_descriptors_write_nothing(dut):
     tb.stop()
 
 
-def _lanes(rng, n, exclude=()):
-    lanes = rng.sample([x for x in range(NDATA + NSPARE) if x not in exclude], n)
-    return lanes
+def _mask(lanes):
+    return sum(1 << x for x in lanes)
+
+
+async def _fault_program(tb, data_seed):
+    """One DRAM -> SRAM and one SRAM -> DRAM transfer of 64 rows of 256 B (a
+    word per channel per row), started at the same refresh phase
+    (``MemTB.after_refresh``); the first rows are all-ones and all-zeros, so
+    every lane of every bundle carries both values.  Checks the data; returns
+    the cycles of each transfer (submit to completion) and the DMA's active
+    cycles."""
+    r = random.Random(data_seed)
+    n = 64 * 256
+
+    def data():
+        return bytes([0xFF]) * 1024 + bytes(1024) + bytes(r.getrandbits(8) for _ in range(n - 2048))
+
+    tb.fill_dram(DRAM_TENSOR, data())
+    await tb.sram_write(SCRATCH + n, data())
+    out = {}
+    tag = len(tb.completions)
+    await tb.after_refresh()
+    for what, args in (("load", (DRAM_TENSOR, SCRATCH, 64, 256, 256, 256)),
+                       ("write-back", (SCRATCH + n, DRAM_TENSOR + 0x10000, 64, 256, 256, 256,
+                                       Direction.SRAM_TO_DRAM))):
+        a0, t0 = int(tb.dut.dma_active_cycles.value), now()
+        await tb.submit(tag, *args)
+        tag += 1
+        await tb.wait_done(tag)
+        out[what] = (now() - t0, int(tb.dut.dma_active_cycles.value) - a0)
+    assert [c for _, c in tb.completions[-2:]] == [DMAError.OK, DMAError.OK], tb.completions
+    await ClockCycles(tb.dut.clk, 10)
+    await tb.check_sram(SCRATCH, SCRATCH + n, "through the rd bundles")
+    tb.check_dram(DRAM_TENSOR + 0x10000, DRAM_TENSOR + 0x10000 + n, "through the wr bundles")
+    return out
 
 
 @cocotb.test()
 async def tsv_faults_repaired(dut):
-    """As many stuck lanes as spares on each link (mixed stuck-at-0/1, some on
-    spares when possible): BIST repairs, both directions deliver intact data."""
+    """Faults up to the spares in every bundle of every channel at once (mixed
+    stuck-at-0/1; in one channel per direction a failed spare and one failed
+    data lane fewer): one self-test per direction repairs them all, the data
+    stays bit-exact both ways, and the DMA takes exactly as many cycles as
+    before the faults (same transfers at the same refresh phase)."""
     seed = env_seed() + 3
-    tb = MemTB(dut, seed)
+    tb = MemTB(dut, seed, desc_idle=0, done_bp=0, model_delay=0, consumers=False, bd_rand=0)
     r = random.Random(seed)
-    masks = {}
-    for link in ("rd", "wr"):
-        data_lanes = r.sample(range(NDATA), NSPARE)
-        s0 = sum(1 << x for x in data_lanes[::2])
-        s1 = sum(1 << x for x in data_lanes[1::2])
-        masks[link] = (s0, s1, sorted(data_lanes))
-    await tb.start(rd_stuck0=masks["rd"][0], rd_stuck1=masks["rd"][1],
-                   wr_stuck0=masks["wr"][0], wr_stuck1=masks["wr"][1])
-    for link in ("rd", "wr"):
-        assert int(getattr(dut, f"tsv_{link}__status").value) == LinkStatus.OK
-        failed = int(getattr(dut, f"tsv_{link}__failed_lanes").value)
-        assert failed == masks[link][0] | masks[link][1], f"{link}: {failed:#x}"
-    data = bytes(r.getrandbits(8) for _ in range(64 * 256))
-    # all-ones and all-zeros rows exercise both stuck polarities on every lane
-    data = bytes([0xFF]) * 1024 + bytes(1024) + data[2048:]
-    tb.fill_dram(DRAM_TENSOR, data)
-    await tb.submit(1, DRAM_TENSOR, SCRATCH, 64, 256, 256, 256)
-    await tb.wait_done(1)
-    await tb.check_sram(SCRATCH, SCRATCH + 64 * 256, "through repaired rd link")
-    await tb.submit(2, SCRATCH, DRAM_TENSOR + 0x10000, 64, 256, 256, 256, Direction.SRAM_TO_DRAM)
-    await tb.wait_done(2)
-    await ClockCycles(dut.clk, 10)
-    tb.check_dram(DRAM_TENSOR + 0x10000, DRAM_TENSOR + 0x10000 + 64 * 256, "through repaired wr link")
-    assert [c for _, c in tb.completions] == [DMAError.OK, DMAError.OK]
-    assert int(dut.tsv_rd_words.value) == 64 * 256 // W
-    assert int(dut.tsv_wr_words.value) == 64 * 256 // W
+    await tb.start(train=False)
+    for link in LINKS:
+        assert await tb.bist(link) == [LinkStatus.OK] * C
+    w0 = (int(dut.tsv_rd_words.value), int(dut.tsv_wr_words.value))
+    clean = await _fault_program(tb, seed)
+    faults = {}
+    for link in LINKS:
+        spare_channel = r.randrange(C) if NSPARE else -1
+        for c in range(C):
+            bad_spare = int(c == spare_channel)
+            lanes = r.sample(range(NDATA), NSPARE - bad_spare) + r.sample(range(NDATA, NDATA + NSPARE), bad_spare)
+            r.shuffle(lanes)
+            faults[(link, c)] = (_mask(lanes[::2]), _mask(lanes[1::2]))
+            tb.set_faults(link, c, *faults[(link, c)])
+    for link in LINKS:
+        st = await tb.bist(link)
+        assert st == [LinkStatus.OK] * C, f"{link}: {st}"
+        for c in range(C):
+            failed = int(tb.tsv(link, c, "failed_lanes").value)
+            s0, s1 = faults[(link, c)]
+            assert failed == s0 | s1, f"{link} channel {c}: failed {failed:#x}, injected {s0 | s1:#x}"
+    faulty = await _fault_program(tb, seed + 1)
+    dut._log.info(f"cycles (submit to completion, DMA active) without faults {clean}, "
+                  f"with {NSPARE} faults per bundle {faulty}")
+    assert faulty == clean, (clean, faulty)
+    words = 2 * 64 * 256 // W
+    assert (int(dut.tsv_rd_words.value) - w0[0], int(dut.tsv_wr_words.value) - w0[1]) == (words, words)
+    assert int(dut.dram_late.value) == 0
     tb.stop()
 
 
 @cocotb.test()
 async def tsv_faults_unrepairable(dut):
-    """One more stuck lane than spares on the read link, then a host map that
-    leaves a failed lane uncovered on the write link: LINK_DOWN, nothing written."""
+    """One more stuck data lane than spares in a single channel's read bundle,
+    then in another channel's write bundle, then a host map that leaves a
+    failed lane of that write bundle uncovered: only that bundle is down, every
+    descriptor completes with LINK_DOWN and nothing is read or written; once
+    the host restores the map, an intact write-back."""
     seed = env_seed() + 4
     tb = MemTB(dut, seed)
     r = random.Random(seed)
-    bad = r.sample(range(NDATA), NSPARE + 1)
-    await tb.start(rd_stuck0=sum(1 << x for x in bad))
-    assert int(dut.tsv_rd__status.value) == LinkStatus.TOO_MANY
-    tb.fill_dram(DRAM_TENSOR, bytes([0xFF]) * 4096)
-    await tb.sram_write(SCRATCH, bytes(4096))
-    await tb.submit(1, DRAM_TENSOR, SCRATCH, 16, 256, 256, 256, expect_ok=False)
-    await tb.wait_done(1)
-    assert tb.completions == [(1, DMAError.LINK_DOWN)]
-    await tb.check_sram(SCRATCH, SCRATCH + 4096, "nothing delivered")
-    # read link healthy again; write link: one stuck lane, host clears its repair
-    dut.tsv_rd__fault_stuck0.value = 0
-    assert await tb.bist("tsv_rd") == LinkStatus.OK
+    await tb.start()
+    tb.fill_dram(DRAM_TENSOR, bytes(r.getrandbits(8) for _ in range(4096)))
+    await tb.sram_write(SCRATCH, bytes(r.getrandbits(8) for _ in range(4096)) + bytes(4096))
+    before = tb.dram_counters()
+    sram_wr0 = int(dut.sram_wr_bytes.value)
+    tag = 0
+
+    async def refused(*descs):
+        """Every descriptor completes with LINK_DOWN; nothing moved anywhere."""
+        nonlocal tag
+        writes0 = tb.model.writes
+        for d in descs:
+            await tb.submit(tag, *d, expect_ok=False)
+            tag += 1
+        await tb.wait_done(tag)
+        assert tb.completions[-len(descs):] == [(t, DMAError.LINK_DOWN) for t in range(tag - len(descs), tag)], \
+            tb.completions
+        await ClockCycles(dut.clk, 20)
+        assert tb.model.writes == writes0
+        now_ = tb.dram_counters()
+        for k in ("rd_bytes", "wr_bytes", "activates", "row_hits", "dma_bytes_moved", "dma_beats"):
+            assert now_[k] == before[k], (k, before[k], now_[k])
+        assert int(dut.sram_wr_bytes.value) == sram_wr0
+        await tb.check_sram(SCRATCH, SCRATCH + 8192, "nothing delivered")
+        tb.check_dram(DRAM_TENSOR, DRAM_TENSOR + 0x20000, "nothing written")
+
+    load = (DRAM_TENSOR, SCRATCH + 4096, 16, 256, 256, 256)
+    wb = (SCRATCH, DRAM_TENSOR + 0x10000, 16, 256, 256, 256, Direction.SRAM_TO_DRAM)
+    for link in LINKS:
+        k = r.randrange(C)
+        bad = r.sample(range(NDATA), NSPARE + 1)
+        tb.set_faults(link, k, *((_mask(bad), 0) if link == "rd" else (0, _mask(bad))))
+        st = await tb.bist(link)
+        assert st[k] == LinkStatus.TOO_MANY and all(s == LinkStatus.OK for c, s in enumerate(st) if c != k), st
+        await refused(load, wb)
+        tb.set_faults(link, k)
+        assert await tb.bist(link) == [LinkStatus.OK] * C
+    # one stuck lane on channel k's write bundle: repaired, then the host clears the entry
+    k = r.randrange(C)
     lane = r.randrange(NDATA)
-    dut.tsv_wr__fault_stuck1.value = 1 << lane
-    assert await tb.bist("tsv_wr") == LinkStatus.OK
-    await RisingEdge(dut.clk)
-    dut.tsv_wr__repair_we.value = 1
-    dut.tsv_wr__repair_idx.value = 0
-    dut.tsv_wr__repair_valid.value = 0
-    dut.tsv_wr__repair_lane.value = 0
-    await RisingEdge(dut.clk)
-    dut.tsv_wr__repair_we.value = 0
+    tb.set_faults("wr", k, 0, 1 << lane)
+    assert await tb.bist("wr") == [LinkStatus.OK] * C
+    await tb.repair("wr", k, 0, 0, 0)
     await FallingEdge(dut.clk)
-    assert int(dut.tsv_wr__status.value) == LinkStatus.UNCOVERED
-    writes0 = tb.model.writes
-    await tb.submit(2, SCRATCH, DRAM_TENSOR, 16, 256, 256, 256, Direction.SRAM_TO_DRAM, expect_ok=False)
-    await tb.wait_done(2)
-    assert tb.completions[1] == (2, DMAError.LINK_DOWN)
+    assert [tb.status("wr", c) for c in range(C)] == [LinkStatus.UNCOVERED if c == k else LinkStatus.OK
+                                                      for c in range(C)]
+    await refused(wb)
+    # the host restores the entry: an intact write-back through the repaired lane
+    await tb.repair("wr", k, 0, 1, lane)
+    await FallingEdge(dut.clk)
+    assert tb.status("wr", k) == LinkStatus.OK
+    await tb.submit(tag, *wb)
+    await tb.wait_done(tag + 1)
     await ClockCycles(dut.clk, 10)
-    assert tb.model.writes == writes0
-    tb.check_dram(DRAM_TENSOR, DRAM_TENSOR + 4096)
-    # host restores the entry: intact write-back
-    await RisingEdge(dut.clk)
-    dut.tsv_wr__repair_we.value = 1
-    dut.tsv_wr__repair_valid.value = 1
-    dut.tsv_wr__repair_lane.value = lane
-    await RisingEdge(dut.clk)
-    dut.tsv_wr__repair_we.value = 0
-    await tb.submit(3, SCRATCH, DRAM_TENSOR, 16, 256, 256, 256, Direction.SRAM_TO_DRAM)
-    await tb.wait_done(3)
-    await ClockCycles(dut.clk, 10)
-    assert tb.completions[2] == (3, DMAError.OK)
-    tb.check_dram(DRAM_TENSOR, DRAM_TENSOR + 4096)
+    assert tb.completions[-1] == (tag, DMAError.OK)
+    tb.check_dram(DRAM_TENSOR, DRAM_TENSOR + 0x20000, "write-back after the repair")
     tb.stop()
 
 

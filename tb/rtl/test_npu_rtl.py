@@ -270,7 +270,11 @@ TIMING_COUNTERS = ("total_cycles", "dma_stall_cycles")
 def test_npu_random_backpressure(results8, name):
     """Random SRAM stalls, DRAM response delays and host idle cycles: the
     output is bit-identical to the job without them and every work counter
-    equal; SRAM stalls only add cycles, the others not even that."""
+    equal; SRAM stalls only add cycles.  DRAM response delays (within the
+    latency) and host idle cycles add none, except that host idle shifts
+    the job against the DRAM's free-running refresh timer: the cycle counts
+    may differ by at most one refresh (tRP + tRFC, and the tRAS it may wait
+    for) per tREFI of the job."""
     job, kind, r = results8[name]
     _, _, base = results8[kind[1]]
     _check_exact(name, job, r, CFG8)
@@ -280,7 +284,10 @@ def test_npu_random_backpressure(results8, name):
     if job["stress"].get("sram_stall"):
         assert r["counters"]["total_cycles"] > base["counters"]["total_cycles"]
     else:
-        assert r["counters"] == base["counters"]
+        t = CFG8.dram_timing_cycles()
+        refreshes = 1 + max(r["counters"]["total_cycles"], base["counters"]["total_cycles"]) // t["trefi"]
+        for k in TIMING_COUNTERS:
+            assert abs(r["counters"][k] - base["counters"][k]) <= refreshes * (t["trp"] + t["trfc"] + t["tras"]), k
 
 
 @pytest.mark.slow
