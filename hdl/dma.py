@@ -102,7 +102,7 @@ from amaranth.lib import data, fifo, stream, wiring
 from amaranth.lib.wiring import In, Out
 from amaranth.utils import ceil_log2, exact_log2
 
-from .dram import DRAMBackendSignature, DRAMPortSignature, StackedDRAM
+from .dram import COUNTER_NAMES, DRAMBackendSignature, DRAMPortSignature, StackedDRAM
 from .mem_common import addr_bits_for, word_bytes
 from .sram import SRAMPortSignature, StackedSRAM
 from .tsv import TSVControlSignature, TSVLink
@@ -647,8 +647,8 @@ class MemorySystem(wiring.Component):
         consumer ports (``StackedSRAM.stall``); 0 in normal operation.
     """
 
-    DRAM_COUNTERS = ("row_hits", "activates", "row_conflicts", "refreshes", "refresh_stall_cycles",
-                     "stall_cycles")
+    #: the DRAM channels' event counts, exported as ``dram_<name>``
+    DRAM_COUNTERS = COUNTER_NAMES[2:]
 
     def __init__(self, config, n_consumers: int = 1, queue_depth: int = 4, walking_bist: bool = True,
                  consumer_lanes=None):

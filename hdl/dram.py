@@ -149,6 +149,7 @@ class DRAMBackendSignature(wiring.Signature):
         })
 
 
+#: the channels' counters: two 48-bit byte counts, then the 32-bit event counts
 COUNTER_NAMES = ("rd_bytes", "wr_bytes", "stall_cycles", "row_hits", "activates", "row_conflicts",
                  "refreshes", "refresh_stall_cycles")
 

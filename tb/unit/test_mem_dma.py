@@ -356,7 +356,7 @@ def test_random_descriptors_byte_exact(seed):
             rows = r.randint(1, 6)
             span = lambda stride: (rows - 1) * stride + bpr
             if r.random() < 0.3:
-                s_stride = d_stride = bpr - bpr % W if bpr % W == 0 else bpr + (-bpr) % W
+                s_stride = d_stride = bpr + (-bpr) % W          # rows back to back
             else:
                 s_stride = bpr + (-bpr) % W + W * r.randint(0, 3)
                 d_stride = bpr + (-bpr) % W + W * r.randint(0, 3)
