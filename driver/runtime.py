@@ -321,6 +321,8 @@ class Decoder:
         self.blas_threads = None if blas_threads is None else _pos_int("blas_threads", blas_threads)
         hp = model.hparams
         self.cache = KVCache(hp.n_layers, hp.n_kv_heads, cache.capacity, hp.head_dim)
+        #: the cache lives in the NPU's memory (the transport keeps its own copy)
+        self.resident = transport.bind_cache(self.cache)
         self.variants = cache.variant_capacities(transport.config.bc)
         self.scale = 1.0 / math.sqrt(hp.head_dim)
         self.trace: list = []
@@ -375,9 +377,9 @@ class Decoder:
         k.flags.writeable = False                 # views of the DRAM buffer: backends only read them
         v.flags.writeable = False
         if self.job_grouping == "layer":
-            job = AttentionJob(layer, q16, k, v, mask, self.scale, q_offset, kv_valid_len)
+            job = AttentionJob(layer, q16, k, v, mask, self.scale, q_offset, kv_valid_len, self.resident)
             return self.transport.run(job).o
-        group = self.model.hparams.group
+        group = self.model.hparams.group        # per-head jobs carry their kv head's window
         outs = []
         for h in range(q16.shape[0]):
             g = h // group
@@ -404,7 +406,9 @@ class Decoder:
         x = self.model.embed(ids)
         for layer in range(self.model.hparams.n_layers):
             q, k, v = self.model.qkv(layer, x, positions)
-            cache.write(layer, start, k.astype(np.float16), v.astype(np.float16))
+            k16, v16 = k.astype(np.float16), v.astype(np.float16)
+            cache.write(layer, start, k16, v16)
+            self.transport.write_kv(layer, start, k16, v16)
             o = self._attention(layer, q.astype(np.float16), window, mask, int(positions[0]), start + n)
             x = self.model.finish_layer(layer, x, o)
         cache.commit(start, n)

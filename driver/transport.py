@@ -81,6 +81,11 @@ class AttentionJob:
         these two numbers instead of the mask).
     kv_valid_len : int
         Valid slots in the window after this job's K/V were written.
+    resident : bool
+        The KV cache is resident in NPU DRAM (``Transport.bind_cache``): the
+        backend already holds slots 0..window-1 of ``layer`` (the driver
+        stored each new slot once with ``Transport.write_kv``), so ``k`` and
+        ``v`` are not uploaded; they still give the shapes.
     """
 
     layer: int
@@ -91,6 +96,7 @@ class AttentionJob:
     scale: float
     q_offset: int
     kv_valid_len: int
+    resident: bool = False
 
     def __post_init__(self):
         """Raises ValueError naming the value: wrong dtypes or shapes, a
@@ -236,6 +242,17 @@ class Transport(abc.ABC):
     def reset_counters(self) -> None:
         self.counters = TransportCounters()
 
+    def bind_cache(self, cache) -> bool:
+        """Offer the driver's ``KVCache`` to live in the NPU's own memory.
+        True: the backend keeps a copy of every slot the driver stores with
+        ``write_kv`` and jobs may say ``resident=True``; False (the default,
+        e.g. the golden backend): every job carries its window."""
+        return False
+
+    def write_kv(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:  # noqa: B027 -- a hook
+        """Store k, v (float16 [kv_heads, n, head_dim]) in slots start..start+n-1
+        of ``layer`` of a bound cache (no-op unless ``bind_cache`` returned True)."""
+
     def run(self, job: AttentionJob) -> JobResult:
         """Run one job and add its cost to ``counters``.
 
@@ -307,6 +324,13 @@ class RTLTransport(Transport):
     batch mode of ``flashnpu sim``; same results, seconds of start-up per
     job).
 
+    With a bound cache (``bind_cache``, which ``Decoder`` calls) the KV
+    cache lives in the session's NPU DRAM: each new slot is stored once
+    (``write_kv``), resident jobs read their window where it lies, and the
+    NPU is reset and its TSV links self-tested once at power-up instead of
+    per job.  A session that had to be restarted gets the host's copy of the
+    cache stored again before its first job.
+
     The job goes in as the driver's mask (``[seq_q, window]``, one mask row per
     query, shared by the heads), so padded and future slots are hidden whatever
     they hold; ``cycles`` are the NPU's ``total_cycles`` counter and ``bytes``
@@ -340,6 +364,11 @@ class RTLTransport(Transport):
     """
 
     name = "rtl"
+    #: first NPU DRAM byte of a bound KV cache
+    KV_BASE = 0x1000
+    #: NPU DRAM kept above a bound cache for one job's Q, O and mask (a
+    #: 64-row prefill chunk of 9 heads at head_dim 128 needs about 0.25 MiB)
+    JOB_SCRATCH_BYTES = 1 << 20
 
     def __init__(self, config: NPUConfig = DEFAULT, sim: str = "verilator", session: bool = True,
                  job_timeout_s: float = 3600.0, **_):
@@ -353,7 +382,66 @@ class RTLTransport(Transport):
         self.sim_wall_s = 0.0
         self.sessions_started = 0
         self.startup_s = 0.0
+        self.kv_upload_bytes = 0
+        self.power_ups = 0
         self._session = None
+        self._cache = None                  # the bound KVCache and its NPU DRAM layout
+        self._layout: dict = {}
+        self._pending: list = []            # (byte address, bytes) not yet in NPU DRAM
+        self._mirrored_by = None            # the session whose DRAM holds the mirror
+
+    def bind_cache(self, cache) -> bool:
+        """Keep ``cache`` (a ``driver.runtime.KVCache``) in NPU DRAM for the
+        whole session (only with ``session=True``).  Layout: K of every layer,
+        then V, each ``[n_layers, kv_heads, capacity]`` rows of
+        ``rtl_backend.row_bytes`` bytes from byte ``KV_BASE``; each job's Q,
+        mask and O go above it (``JOB_SCRATCH_BYTES``).
+
+        Raises
+        ------
+        ValueError
+            when the cache and a job's scratch do not fit the NPU's
+            ``dram_bytes`` (the message names the capacity).
+        """
+        if not self.persistent:
+            return False
+        from flashnpu.sim.rtl_backend import row_bytes  # deferred, as in ``session``
+
+        L, G, C, d = cache.k.shape
+        row = row_bytes(self.config, d)
+        hs = C * row
+        size = L * G * hs
+        end = self.KV_BASE + 2 * size
+        if end + self.JOB_SCRATCH_BYTES > self.config.dram_bytes:
+            raise ValueError(f"a KV cache of capacity {C} ({L} layers x {G} kv heads x {row} B rows, "
+                             f"{2 * size} bytes) does not fit the NPU's {self.config.dram_bytes}-byte DRAM "
+                             f"beside a job's scratch; lower max_prompt_len or min_response_len")
+        self._cache = cache
+        self._layout = dict(row=row, head_stride=hs, layer=G * hs, k=self.KV_BASE, v=self.KV_BASE + size,
+                            base=end, head_dim=d)
+        self._pending = []
+        self._mirrored_by = None
+        return True
+
+    def _rows(self, x: np.ndarray) -> np.ndarray:
+        """uint8 [kv_heads, n, row bytes]: x's FP16 rows as they lie in NPU DRAM."""
+        lay = self._layout
+        g, n, d = x.shape
+        buf = np.zeros((g, n, lay["row"]), np.uint8)
+        buf[:, :, :2 * d] = np.ascontiguousarray(x, np.float16).view(np.uint8).reshape(g, n, 2 * d)
+        return buf
+
+    def write_kv(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Queue the new slots' DRAM writes (sent with the next resident job,
+        then counted in ``kv_upload_bytes``)."""
+        if self._cache is None:
+            return
+        lay = self._layout
+        for base, x in ((lay["k"], k), (lay["v"], v)):
+            rows = self._rows(x)
+            for g in range(rows.shape[0]):
+                a = base + layer * lay["layer"] + g * lay["head_stride"] + int(start) * lay["row"]
+                self._pending.append((a, rows[g].tobytes()))
 
     @property
     def has_cycles(self) -> bool:
@@ -386,10 +474,35 @@ class RTLTransport(Transport):
                              scale=float(job.scale))
         spec = dict(case=case, name=f"layer{job.layer}")
         session = self.session
+        if job.resident:
+            if self._cache is None or session is None:
+                raise ValueError("job.resident needs a cache bound with bind_cache on a session transport")
+            if self._mirrored_by is not session:
+                # a new simulator session starts with empty DRAM: store every
+                # slot the driver wrote so far again (the host's cache holds
+                # what DRAM held)
+                self._pending = []
+                c = self._cache
+                for layer in range(c.k.shape[0]):
+                    n = int(np.flatnonzero(c.writes[layer]).max(initial=-1)) + 1
+                    if n:
+                        self.write_kv(layer, 0, c.k[layer, :, :n], c.v[layer, :, :n])
+                self._mirrored_by = session
+            lay = self._layout
+            off = job.layer * lay["layer"]
+            spec["resident"] = dict(kv=dict(k_base=lay["k"] + off, v_base=lay["v"] + off,
+                                            head_stride=lay["head_stride"]),
+                                    base=lay["base"], writes=self._pending)
         if session is not None:
             r = session.run(spec)
         else:
             r = run_jobs([spec], self.config, sim=self.sim)[0]
+        if job.resident:
+            self.kv_upload_bytes += sum(len(b) for _, b in self._pending)
+            self._pending = []
+        elif session is not None:
+            self._mirrored_by = None        # a job from reset starts from empty DRAM
+        self.power_ups += bool(r.get("powered_up"))
         if r["error"]:
             raise RuntimeError(f"the NPU stopped the job of layer {job.layer}: {NPUError(r['error']).name}")
         self.last_counters = r["counters"]
@@ -404,10 +517,15 @@ class RTLTransport(Transport):
             self._session = None
 
     def backend_stats(self) -> dict:
-        """``simulator``, ``sim_sessions``, ``sim_startup_seconds`` and
-        ``sim_job_seconds`` (testbench time inside jobs)."""
+        """``simulator``, ``sim_sessions``, ``sim_startup_seconds``,
+        ``sim_job_seconds`` (testbench time inside jobs), ``kv_resident``
+        (a bound cache lives in NPU DRAM), ``kv_upload_bytes`` (K/V bytes
+        stored into NPU DRAM by ``write_kv``, rows padded to the bus word) and
+        ``npu_power_ups`` (jobs that ran the reset and TSV self-test)."""
         return dict(simulator=self.sim, sim_sessions=self.sessions_started if self.persistent else None,
-                    sim_startup_seconds=round(self.startup_s, 3), sim_job_seconds=round(self.sim_wall_s, 3))
+                    sim_startup_seconds=round(self.startup_s, 3), sim_job_seconds=round(self.sim_wall_s, 3),
+                    kv_resident=self._cache is not None, kv_upload_bytes=self.kv_upload_bytes,
+                    npu_power_ups=self.power_ups)
 
 
 _BACKENDS: dict = {"golden": GoldenTransport, "rtl": RTLTransport}

@@ -57,7 +57,12 @@ Python runs per cycle; a job with ``dram_delay`` uses the Python server of
 every job.
 
 Both modes run every job from reset with its own TSV self-test, so a job's
-output and counters do not depend on the mode or on the jobs before it.
+output and counters do not depend on the mode or on the jobs before it --
+except a ``resident`` job (the driver's KV cache kept in NPU DRAM,
+``rtl_backend.NPUSession``): it skips step 1 unless the NPU has not been
+powered up yet or the last job failed, takes its K/V where earlier jobs
+left them (``plan_job``'s ``kv_region``) and first stores the spec's DRAM
+writes (the new K/V slots).
 The comparisons (bit-exact vs the golden model, nothing written on a
 rejected job) are made by the caller, which owns the expectations.
 """
@@ -89,6 +94,10 @@ CLOCK_NS = 1                      # simulated clock period (the waves' cycle num
 
 
 HOOK = simulator_dram(CFG.dram_bytes)
+#: [True] once a resident job has reset the NPU and trained its links, until a job fails
+POWERED = [False]
+#: the DRAM model of resident jobs, kept across them (a new one zeroes the storage)
+RESIDENT_MODEL: list = []
 
 
 class XValueError(ValueError):
@@ -202,30 +211,51 @@ async def run_job(dut, spec, seed):
                              mask=z["mask"] if "mask" in z.files else None,
                              kv_valid_len=int(z["kv_valid_len"]) if "kv_valid_len" in z.files else None,
                              scale=float(z["scale"]) if "scale" in z.files else None)
-    plan = plan_job(case, CFG, overrides=spec.get("overrides"))
+    resident = spec.get("resident")
+    if resident:
+        plan = plan_job(case, CFG, base=resident["base"], overrides=spec.get("overrides"),
+                        kv_region=resident["kv"])
+    else:
+        plan = plan_job(case, CFG, overrides=spec.get("overrides"))
     stress = spec.get("stress") or {}
     delay = int(stress.get("dram_delay", 0))
     # The simulator serves the DRAM itself unless the job wants random response
     # delays (the Python server's); either way the bytes live in one store.
-    model = DRAMModel(CFG, seed=seed, max_extra_delay=delay, buffer=HOOK[1] if HOOK else None)
+    # a new DRAMModel starts from zeroed storage: resident jobs keep one
+    if resident and RESIDENT_MODEL:
+        model = RESIDENT_MODEL[0]
+        model.rng, model.max_extra_delay = random.Random(seed), delay
+    else:
+        model = DRAMModel(CFG, seed=seed, max_extra_delay=delay, buffer=HOOK[1] if HOOK else None)
+        RESIDENT_MODEL[:] = [model] if resident else []
     host = Host(dut, model, idle=int(stress.get("host_idle", 0)), rng=random.Random(seed))
     if stress:
         dut._log.info(f"job {spec['name']}: stress {stress}, seed {seed}")
     dut._log.info(f"job {spec['name']}: DRAM served by "
                   + ("the simulator (sim/dram_hook.cpp)" if HOOK and not delay else "the Python model"))
+    # a resident job runs on the NPU as the last one left it: reset and TSV
+    # self-test only at power-up (and after a job that failed)
+    power_up = not (resident and POWERED[0])
     if HOOK:
         HOOK[0].flashnpu_dram_serve(0)
-    await reset(dut)
+    if power_up:
+        await reset(dut)
     if HOOK and not delay:
         HOOK[0].flashnpu_dram_serve(1)
         server = None
     else:
         server = cocotb.start_soon(model.cocotb_server(dut, dut.clk))
     faults = spec.get("tsv_fault") or {}
-    for name, val in faults.items():        # test-only stuck-at TSV lanes, before the self-test
-        await host.write(name, val)
-    tsv_st = await train_links(host, require_ok=not faults)
-    tsv = await read_tsv(host, tsv_st) if faults else None
+    tsv = None
+    if power_up:
+        for name, val in faults.items():        # test-only stuck-at TSV lanes, before the self-test
+            await host.write(name, val)
+        tsv_st = await train_links(host, require_ok=not faults)
+        tsv = await read_tsv(host, tsv_st) if faults else None
+    if resident:
+        with np.load(resident["writes"], allow_pickle=False) as z:
+            for i, a in enumerate(z["addr"]):
+                model.write(int(a), z[f"d{i}"].tobytes())
     for a, b in plan["writes"]:
         model.write(a, b)
     s_spec = spec.get("s_check")
@@ -297,6 +327,7 @@ async def run_job(dut, spec, seed):
     lo, hi = plan["o_extent"]
     untouched = model.read(lo, hi - lo) == bytes([O_SENTINEL]) * (hi - lo)
     err = int(st["error"])
+    POWERED[0] = bool(resident) and not err      # a failed job leaves the controller in FAIL until reset
     msg = NPUError(err).name if err in NPUError._value2member_map_ else str(err)
     dut._log.info(f"job {spec['name']}: status {msg} dma_code {st['dma_code']} irq {irq:#x} "
                   f"cycles {cnt['total_cycles']} mac_busy {cnt['mac_busy_cycles']} wall {wall:.2f} s")
@@ -321,7 +352,7 @@ async def run_job(dut, spec, seed):
     meta = dict(name=spec["name"], error=err, error_name=msg, dma_code=int(st["dma_code"]),
                 irq=irq, o_untouched=bool(untouched), counters=cnt, wall_s=round(wall, 3),
                 sram_bytes_sim=CFG.sram_bytes, tsv=tsv, reg_check=reg_check, kv_check=kv_check,
-                s_check=s_check)
+                s_check=s_check, powered_up=power_up)
     np.savez(spec["out"], o=out, meta_json=np.array(json.dumps(meta)))
 
 

@@ -65,8 +65,21 @@ def _rup(n: int, w: int) -> int:
     return -(-n // w) * w
 
 
-def plan_job(case, config: NPUConfig, base: int = 0x1000, overrides: dict | None = None) -> dict:
+def row_bytes(config: NPUConfig, head_dim: int) -> int:
+    """Bytes of one FP16 row of Q, K or V in NPU DRAM (head_dim values,
+    padded to the bus word), as ``plan_job`` lays them out."""
+    return _rup(2 * max(int(head_dim), 1), word_bytes(config))
+
+
+def plan_job(case, config: NPUConfig, base: int = 0x1000, overrides: dict | None = None,
+             kv_region: dict | None = None) -> dict:
     """Place a case in DRAM and compute the CSR values of its job.
+
+    ``kv_region`` (a KV cache resident in NPU DRAM, ``RTLTransport``): dict
+    ``k_base``, ``v_base``, ``head_stride`` (bytes between kv heads); K and V
+    are then not placed (``case.k``/``case.v`` give only the shapes) and the
+    job reads them where they already are, rows of ``row_bytes(config,
+    head_dim)`` bytes.  ``base`` must then lie above the region.
 
     Returns a dict: ``regs`` (register name -> 32-bit value, in writing
     order), ``writes`` (list of (byte address, bytes) for the DRAM model),
@@ -79,7 +92,7 @@ def plan_job(case, config: NPUConfig, base: int = 0x1000, overrides: dict | None
     heads, seq_q, hd = q.shape
     kvh, seq_kv, _ = k.shape
     hd_eff = max(hd, 1)
-    rs = _rup(2 * hd_eff, W)
+    rs = row_bytes(config, hd)
     ors = _rup(4 * hd_eff, W)
     addr = _rup(base, 4096)
     writes = []
@@ -96,8 +109,13 @@ def plan_job(case, config: NPUConfig, base: int = 0x1000, overrides: dict | None
         return a, s * row_bytes, row_bytes
 
     qa, qhs, qrs = place(q, rs)
-    ka, khs, krs = place(k, rs)
-    va, vhs, vrs = place(v, rs)
+    if kv_region is None:
+        ka, khs, krs = place(k, rs)
+        va, vhs, vrs = place(v, rs)
+    else:
+        ka, va = int(kv_region["k_base"]), int(kv_region["v_base"])
+        khs = vhs = int(kv_region["head_stride"])
+        krs = vrs = rs
     oa = addr
     ohs, ors_ = seq_q * ors, ors
     o_bytes = heads * seq_q * ors
@@ -254,7 +272,15 @@ def _job_spec(job: dict, tag: str, folder: Path, config: NPUConfig, seed: int) -
     (the contract of ``sim/cocotb_npu.py``, batch and server mode alike)."""
     cp = folder / f"job{tag}.npz"
     _save_case(cp, job["case"])
-    return dict(inputs=str(cp), out=str(folder / f"res{tag}.npz"),
+    resident = None
+    if job.get("resident") is not None:
+        r = job["resident"]
+        wp = folder / f"writes{tag}.npz"
+        ws = r.get("writes") or []
+        np.savez(wp, addr=np.array([a for a, _ in ws], np.int64),
+                 **{f"d{i}": np.frombuffer(b, np.uint8) for i, (_, b) in enumerate(ws)})
+        resident = dict(kv=r["kv"], base=int(r["base"]), writes=str(wp))
+    return dict(inputs=str(cp), out=str(folder / f"res{tag}.npz"), resident=resident,
                 overrides=job.get("overrides", {}), debug=int(job.get("debug", 0)),
                 watchdog=job.get("watchdog"), timeout=job.get("timeout") or _timeout(job["case"], config),
                 name=job.get("name", f"job{tag}"), seed=int(job.get("seed", seed)),
@@ -352,7 +378,15 @@ class NPUSession:
     load and cocotb start-up); every job then costs only its simulated
     cycles.  Each job runs exactly as in ``run_jobs`` (reset, TSV self-test,
     DRAM writes, CSR programming, polling), so outputs and counters are the
-    same as a batch run of that job.  The cocotb run lives in a background
+    same as a batch run of that job -- except a job with ``resident``
+    (dict ``kv``: the ``kv_region`` of ``plan_job``, ``base``: first byte
+    address for its Q, mask and O, ``writes``: list of (byte address,
+    bytes) stored into NPU DRAM before it, e.g. the new K/V slots): it runs
+    on the NPU as the previous job left it, with no reset and no TSV
+    self-test (those run at power-up: the first resident job, and the one
+    after a job that stopped with an error), and DRAM keeps what earlier
+    jobs and writes left there.  Its result has ``powered_up`` (bool: this
+    job ran the reset and self-test).  The cocotb run lives in a background
     thread; the simulator blocks on the request FIFO between jobs.
 
     Parameters
@@ -537,8 +571,9 @@ class NPUSession:
             self._thread.join(timeout=60)
             self._fail(f"job {spec['name']} failed in the testbench: {ans.get('error')}")
         res = _load_result(spec, self._build_info)
-        for p in (spec["inputs"], spec["out"]):
-            Path(p).unlink(missing_ok=True)
+        for p in (spec["inputs"], spec["out"], (spec["resident"] or {}).get("writes")):
+            if p:
+                Path(p).unlink(missing_ok=True)
         self.jobs_done += 1
         return res
 

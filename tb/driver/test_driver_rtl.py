@@ -129,3 +129,40 @@ def test_tiny_llama_decode_on_rtl_equals_golden():
     assert res.stats["npu_cycles"] > 0 and res.stats["npu_cycles_per_token"] == res.stats["npu_cycles"] / 4
     st = rtl.backend_stats()
     assert st["sim_sessions"] == 1 and st["sim_job_seconds"] > 0 and st["simulator"] == "verilator"
+    # the KV cache lived in NPU DRAM: reset and TSV self-test once, each slot stored once
+    # (the last token is chosen, never stored), rows padded to the 32-byte bus word
+    hp = model.hparams
+    assert st["kv_resident"] and st["npu_power_ups"] == 1
+    assert st["kv_upload_bytes"] == 2 * hp.n_layers * hp.n_kv_heads * (len(ids) + 3) * 32
+
+
+def test_resident_cache_that_does_not_fit_is_refused():
+    """A bound cache larger than the NPU's DRAM: one ValueError naming the
+    capacity, before any simulator starts; a one-job-per-run transport keeps
+    the window in every job instead."""
+    from flashnpu.driver.runtime import KVCache
+    small = CFG8.replace(dram_bytes=1 << 21)
+    rtl = RTLTransport(small)
+    with pytest.raises(ValueError, match=r"a KV cache of capacity 2048 .* does not fit the NPU's 2097152-byte DRAM"):
+        rtl.bind_cache(KVCache(30, 3, 2048, 64))
+    assert rtl.sessions_started == 0 and rtl.bind_cache(KVCache(2, 2, 16, 8))
+    assert not RTLTransport(small, session=False).bind_cache(KVCache(2, 2, 16, 8))
+
+
+def test_resident_cache_survives_a_restarted_session():
+    """A simulator that dies between two generate runs: the next job starts a
+    new session, whose empty DRAM gets the host's copy of the cache stored
+    again, and decoding goes on bit-identical to golden."""
+    model = tiny_model(seed=3)
+    cache = CacheConfig(max_prompt_len=8, min_response_len=8)
+    gold_dec = Decoder(model, GoldenTransport(CFG8), cache)
+    gold = gold_dec.generate(prompt(6, seed=4), 2, stop_ids=())
+    with RTLTransport(CFG8) as rtl:
+        dec = Decoder(model, rtl, cache)
+        first = dec.generate(prompt(6, seed=4), 1, stop_ids=())
+        os.kill(rtl.session.pid, signal.SIGKILL)
+        rtl._session._thread.join(timeout=30)
+        logits = dec.step(first.tokens[0])             # a new session; the cache is stored again
+        assert rtl.sessions_started == 2 and rtl.power_ups == 2
+    np.testing.assert_array_equal(first.logits[0], gold.logits[0])
+    np.testing.assert_array_equal(logits, gold.logits[1])
