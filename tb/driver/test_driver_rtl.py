@@ -11,7 +11,11 @@ one at a time through its CSR host interface.  Checked here:
   raise a ``RuntimeError`` naming the log file, in seconds, never a hang;
 * greedy decode of a tiny random Llama on ``RTLTransport``: tokens and logits
   bit-identical to the golden backend of the same array, one session for the
-  whole run, closed by the ``with`` block.
+  whole run, closed by the ``with`` block;
+* the KV cache resident in NPU DRAM: one power-up for the whole decode, each
+  slot stored once, the cache stored again into a restarted session, a cache
+  too large for the DRAM refused, resident jobs back to back without reset
+  and a power-up again after a job the NPU stopped.
 
 SmolLM2-135M on the rtl backend is in ``tb/driver/test_driver_smollm2.py``.
 """
@@ -166,3 +170,38 @@ def test_resident_cache_survives_a_restarted_session():
         assert rtl.sessions_started == 2 and rtl.power_ups == 2
     np.testing.assert_array_equal(first.logits[0], gold.logits[0])
     np.testing.assert_array_equal(logits, gold.logits[1])
+
+
+def _resident_job(case, kb=0x1000, **extra):
+    """``case`` as a resident job: its K/V stored at ``kb`` (K) and above (V)."""
+    from flashnpu.sim.rtl_backend import row_bytes
+    g, w, d = case.k.shape
+    row = row_bytes(CFG8, d)
+    hs = w * row
+    writes = []
+    for base, x in ((kb, case.k), (kb + g * hs, case.v)):
+        buf = np.zeros((g, w, row), np.uint8)
+        buf[:, :, :2 * d] = x.view(np.uint8).reshape(g, w, 2 * d)
+        writes += [(base + h * hs, buf[h].tobytes()) for h in range(g)]
+    return dict(case=case, resident=dict(kv=dict(k_base=kb, v_base=kb + g * hs, head_stride=hs),
+                                         base=0x10000, writes=writes), **extra)
+
+
+def test_resident_jobs_power_up_once_and_again_after_a_failure():
+    """Resident jobs run back to back without reset, bit-exact; a job the NPU
+    stops (a bad head_dim) leaves the controller in FAIL, so the next resident
+    job powers the NPU up again; K/V stored by an earlier job are still there."""
+    a = random_case(9, 3, 1, 32, 64, False, 11, CFG8)
+    b = random_case(9, 3, 4, 32, 64, False, 12, CFG8)
+    with NPUSession(CFG8) as s:
+        ra = s.run(_resident_job(a))
+        rb = s.run(_resident_job(b, kb=0x8000))
+        bad = s.run(_resident_job(a, overrides={"head_dim": 0}))
+        again = dict(_resident_job(a), name="again")
+        again["resident"]["writes"] = []                  # a's K/V are still in DRAM
+        rc = s.run(again)
+    assert [r["powered_up"] for r in (ra, rb, bad, rc)] == [True, False, False, True]
+    assert bad["error"] != 0 and bad["o_untouched"]
+    for case, r in ((a, ra), (b, rb), (a, rc)):
+        assert r["error"] == 0
+        assert _same_bits(r["o"], flash_attention_hw(case.q, case.k, case.v, config=CFG8, **case.kwargs()).o)
