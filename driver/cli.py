@@ -103,6 +103,9 @@ def format_stats(stats: dict, stop_reason: str) -> str:
     if stats.get("sim_sessions") is not None:
         lines.append(f"NPU {stats['array']} under {stats['simulator']}: {stats['sim_sessions']} simulator session(s), "
                      f"start-up {stats['sim_startup_seconds']:.1f} s, inside jobs {stats['sim_job_seconds']:.1f} s")
+        if stats.get("kv_resident"):
+            lines.append(f"KV cache resident in NPU DRAM: {_fmt_bytes(stats['kv_upload_bytes'])} of K/V stored "
+                         f"(each slot once), {stats['npu_power_ups']} NPU power-up(s) (reset + TSV self-test)")
     return "\n".join(lines)
 
 

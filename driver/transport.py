@@ -418,7 +418,7 @@ class RTLTransport(Transport):
                              f"beside a job's scratch; lower max_prompt_len or min_response_len")
         self._cache = cache
         self._layout = dict(row=row, head_stride=hs, layer=G * hs, k=self.KV_BASE, v=self.KV_BASE + size,
-                            base=end, head_dim=d)
+                            base=end)
         self._pending = []
         self._mirrored_by = None
         return True

@@ -97,16 +97,16 @@ def plan_job(case, config: NPUConfig, base: int = 0x1000, overrides: dict | None
     addr = _rup(base, 4096)
     writes = []
 
-    def place(x, row_bytes):
+    def place(x, rowb):
         nonlocal addr
         h, s, d = x.shape
-        buf = np.zeros((h, s, row_bytes), np.uint8)
+        buf = np.zeros((h, s, rowb), np.uint8)
         raw = np.ascontiguousarray(x).view(np.uint8).reshape(h, s, -1)
         buf[:, :, :raw.shape[2]] = raw
         a = addr
         writes.append((a, buf.tobytes()))
         addr = _rup(a + buf.size + 1, 4096)
-        return a, s * row_bytes, row_bytes
+        return a, s * rowb, rowb
 
     qa, qhs, qrs = place(q, rs)
     if kv_region is None:
