@@ -423,22 +423,16 @@ class RTLTransport(Transport):
         self._mirrored_by = None
         return True
 
-    def _rows(self, x: np.ndarray) -> np.ndarray:
-        """uint8 [kv_heads, n, row bytes]: x's FP16 rows as they lie in NPU DRAM."""
-        lay = self._layout
-        g, n, d = x.shape
-        buf = np.zeros((g, n, lay["row"]), np.uint8)
-        buf[:, :, :2 * d] = np.ascontiguousarray(x, np.float16).view(np.uint8).reshape(g, n, 2 * d)
-        return buf
-
     def write_kv(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
         """Queue the new slots' DRAM writes (sent with the next resident job,
         then counted in ``kv_upload_bytes``)."""
         if self._cache is None:
             return
+        from flashnpu.sim.rtl_backend import fp16_rows  # deferred, as in ``session``
+
         lay = self._layout
         for base, x in ((lay["k"], k), (lay["v"], v)):
-            rows = self._rows(x)
+            rows = fp16_rows(x, self.config)
             for g in range(rows.shape[0]):
                 a = base + layer * lay["layer"] + g * lay["head_stride"] + int(start) * lay["row"]
                 self._pending.append((a, rows[g].tobytes()))

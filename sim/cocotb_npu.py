@@ -327,7 +327,7 @@ async def run_job(dut, spec, seed):
     lo, hi = plan["o_extent"]
     untouched = model.read(lo, hi - lo) == bytes([O_SENTINEL]) * (hi - lo)
     err = int(st["error"])
-    POWERED[0] = bool(resident) and not err      # a failed job leaves the controller in FAIL until reset
+    POWERED[0] = bool(resident) and not err      # after any error: reset (FAIL holds until reset)
     msg = NPUError(err).name if err in NPUError._value2member_map_ else str(err)
     dut._log.info(f"job {spec['name']}: status {msg} dma_code {st['dma_code']} irq {irq:#x} "
                   f"cycles {cnt['total_cycles']} mac_busy {cnt['mac_busy_cycles']} wall {wall:.2f} s")

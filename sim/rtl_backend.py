@@ -71,6 +71,15 @@ def row_bytes(config: NPUConfig, head_dim: int) -> int:
     return _rup(2 * max(int(head_dim), 1), word_bytes(config))
 
 
+def fp16_rows(x: np.ndarray, config: NPUConfig) -> np.ndarray:
+    """uint8 [heads, n, row_bytes]: ``x`` (float16 [heads, n, head_dim]) as its
+    rows lie in NPU DRAM, each zero-padded to ``row_bytes(config, head_dim)``."""
+    h, n, d = x.shape
+    buf = np.zeros((h, n, row_bytes(config, d)), np.uint8)
+    buf[:, :, :2 * d] = np.ascontiguousarray(x, np.float16).view(np.uint8).reshape(h, n, 2 * d)
+    return buf
+
+
 def plan_job(case, config: NPUConfig, base: int = 0x1000, overrides: dict | None = None,
              kv_region: dict | None = None) -> dict:
     """Place a case in DRAM and compute the CSR values of its job.
@@ -97,21 +106,18 @@ def plan_job(case, config: NPUConfig, base: int = 0x1000, overrides: dict | None
     addr = _rup(base, 4096)
     writes = []
 
-    def place(x, rowb):
+    def place(x):
         nonlocal addr
-        h, s, d = x.shape
-        buf = np.zeros((h, s, rowb), np.uint8)
-        raw = np.ascontiguousarray(x).view(np.uint8).reshape(h, s, -1)
-        buf[:, :, :raw.shape[2]] = raw
+        buf = fp16_rows(x, config)
         a = addr
         writes.append((a, buf.tobytes()))
         addr = _rup(a + buf.size + 1, 4096)
-        return a, s * rowb, rowb
+        return a, x.shape[1] * rs, rs
 
-    qa, qhs, qrs = place(q, rs)
+    qa, qhs, qrs = place(q)
     if kv_region is None:
-        ka, khs, krs = place(k, rs)
-        va, vhs, vrs = place(v, rs)
+        ka, khs, krs = place(k)
+        va, vhs, vrs = place(v)
     else:
         ka, va = int(kv_region["k_base"]), int(kv_region["v_base"])
         khs = vhs = int(kv_region["head_stride"])

@@ -36,7 +36,7 @@ from flashnpu.driver.transport import GoldenTransport, RTLTransport
 from flashnpu.golden import flash_attention_hw
 from flashnpu.sim import runner
 from flashnpu.sim.case import random_case
-from flashnpu.sim.rtl_backend import NPUSession, run_jobs
+from flashnpu.sim.rtl_backend import NPUSession, fp16_rows, row_bytes, run_jobs
 
 from .test_driver_runtime import prompt, tiny_model
 
@@ -174,23 +174,21 @@ def test_resident_cache_survives_a_restarted_session():
 
 def _resident_job(case, kb=0x1000, **extra):
     """``case`` as a resident job: its K/V stored at ``kb`` (K) and above (V)."""
-    from flashnpu.sim.rtl_backend import row_bytes
     g, w, d = case.k.shape
-    row = row_bytes(CFG8, d)
-    hs = w * row
+    hs = w * row_bytes(CFG8, d)
     writes = []
     for base, x in ((kb, case.k), (kb + g * hs, case.v)):
-        buf = np.zeros((g, w, row), np.uint8)
-        buf[:, :, :2 * d] = x.view(np.uint8).reshape(g, w, 2 * d)
+        buf = fp16_rows(x, CFG8)
         writes += [(base + h * hs, buf[h].tobytes()) for h in range(g)]
     return dict(case=case, resident=dict(kv=dict(k_base=kb, v_base=kb + g * hs, head_stride=hs),
                                          base=0x10000, writes=writes), **extra)
 
 
 def test_resident_jobs_power_up_once_and_again_after_a_failure():
-    """Resident jobs run back to back without reset, bit-exact; a job the NPU
-    stops (a bad head_dim) leaves the controller in FAIL, so the next resident
-    job powers the NPU up again; K/V stored by an earlier job are still there."""
+    """Resident jobs run back to back without reset, bit-exact; after a job
+    that ends with an error (here the check of a bad head_dim) the next
+    resident job powers the NPU up again; K/V stored by an earlier job are
+    still there."""
     a = random_case(9, 3, 1, 32, 64, False, 11, CFG8)
     b = random_case(9, 3, 4, 32, 64, False, 12, CFG8)
     with NPUSession(CFG8) as s:
