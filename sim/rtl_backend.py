@@ -524,7 +524,7 @@ class NPUSession:
         if pid is None:
             pidf = self.dir / "sim.pid"
             pid = int(pidf.read_text()) if pidf.exists() else None
-        if pid is not None:
+        if pid is not None and pid != os.getpid():      # never this process (a stale or foreign pid file)
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

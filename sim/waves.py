@@ -79,8 +79,10 @@ import difflib
 import fnmatch
 import math
 import re
+import signal
 import struct
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -417,6 +419,20 @@ def _internal(name: str) -> bool:
     return re.search(r"(?:^|\.)\\?\$", name) is not None
 
 
+def _import_vcdvcd():
+    """vcdvcd, imported without its side effect: its import sets SIGPIPE to
+    the default action process-wide, after which a write to a closed pipe
+    kills the process instead of raising (e.g. a simulator session's
+    request FIFO when the simulator has died).  The handler is put back."""
+    # deferred: only reading a waveform needs vcdvcd (keeps `flashnpu --help` fast)
+    before = signal.getsignal(signal.SIGPIPE)
+    try:
+        import vcdvcd
+    finally:
+        if before is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGPIPE, before)
+    return vcdvcd
+
 class Waves:
     """A VCD file read with vcdvcd.
 
@@ -428,8 +444,7 @@ class Waves:
     """
 
     def __init__(self, path, signals: list[str] | None = None, to_time: int | None = None):
-        # deferred: only reading a waveform needs vcdvcd (keeps `flashnpu --help` fast)
-        import vcdvcd
+        vcdvcd = _import_vcdvcd()
         self.path = Path(path)
         if not self.path.is_file():
             raise WavesError(f"no such waveform file: {path}")

@@ -346,3 +346,19 @@ def test_simulation_knobs_make_options():
     with pytest.raises(cli.UsageError, match="--waves: window end 5"):
         options_from_args(p.parse_args(["--waves", "w.vcd", "--waves-from", "9",
                                         "--waves-to", "5"]), 2.0)
+
+
+def test_reading_a_vcd_leaves_sigpipe_ignored(tmp_path):
+    """vcdvcd's import sets SIGPIPE to its default action, after which a write
+    to a dead simulator's FIFO kills the process instead of raising; reading a
+    VCD puts the handler back (checked in a fresh interpreter, where the
+    import really runs)."""
+    import subprocess
+    import sys
+    f = tmp_path / "t.vcd"
+    f.write_text("$timescale 1ns $end\n$scope module top $end\n$var wire 1 ! clk $end\n$upscope $end\n"
+                 "$enddefinitions $end\n#0\n0!\n#1\n1!\n")
+    code = ("import signal, sys; from flashnpu.sim.waves import Waves; w = Waves(sys.argv[1]); "
+            "print(signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN, 'vcdvcd' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(f)], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True"], out.stderr
