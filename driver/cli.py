@@ -26,7 +26,7 @@ from flashnpu.paths import atomic_write, input_file, output_file
 from flashnpu.sim.cli import array_config
 
 from .model import apply_chat_template, load_model
-from .runtime import CacheConfig, Decoder
+from .runtime import BatchDecoder, CacheConfig, Decoder
 from .transport import BackendUnavailable, backend_names, make_transport
 
 __all__ = ["register", "run_decode", "format_stats", "npu_config"]
@@ -36,7 +36,9 @@ def register(subparsers) -> None:
     """Add the ``decode`` sub-command."""
     p = subparsers.add_parser("decode", help="LLM decode through the NPU (SmolLM2-135M-Instruct)",
                               description=__doc__.splitlines()[0])
-    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--prompt", required=True, action="append",
+                   help="prompt text; give it several times to decode a batch (one sequence per prompt, "
+                        "every generate step one NPU job per layer for all of them)")
     p.add_argument("--max-new-tokens", type=positive_int, default=32, help="stop after this many tokens (default 32)")
     p.add_argument("--backend", default="golden", choices=backend_names(),
                    help="where attention runs: golden = bit-exact model, rtl = simulated Verilog")
@@ -45,11 +47,14 @@ def register(subparsers) -> None:
     p.add_argument("--cols", type=positive_int, default=DEFAULT.array_cols,
                    help=f"NPU PE array columns (default {DEFAULT.array_cols})")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--max-prompt-len", type=positive_int, default=64, help="longest prompt in tokens (default 64)")
-    p.add_argument("--min-response-len", type=positive_int, default=16,
-                   help="KV slots reserved for the response (default 16); capacity = max-prompt-len + this")
-    p.add_argument("--prefill-chunk-size", type=positive_int, default=64,
-                   help="prompt tokens per prefill job (default 64)")
+    dc = CacheConfig()
+    p.add_argument("--max-prompt-len", type=positive_int, default=dc.max_prompt_len,
+                   help=f"longest prompt in tokens (default {dc.max_prompt_len})")
+    p.add_argument("--min-response-len", type=positive_int, default=dc.min_response_len,
+                   help=f"KV slots reserved for the response (default {dc.min_response_len}); "
+                        "capacity = max-prompt-len + this")
+    p.add_argument("--prefill-chunk-size", type=positive_int, default=dc.prefill_chunk_size,
+                   help=f"prompt tokens per prefill job (default {dc.prefill_chunk_size})")
     p.add_argument("--job-grouping", choices=("layer", "head"), default="layer",
                    help="layer: all query heads of a layer in one NPU job (default); head: one job per head")
     p.add_argument("--model", default=None, metavar="FILE.gguf",
@@ -132,8 +137,10 @@ def run_decode(args, out=None) -> dict:
                     inputs=[("--model", args.model)] if args.model else [])
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, not {args.max_new_tokens}")
-    if not args.prompt:
-        raise UsageError("--prompt is empty")
+    prompts = [args.prompt] if isinstance(args.prompt, str) else list(args.prompt)
+    for i, text in enumerate(prompts):
+        if not text:
+            raise UsageError("--prompt is empty" + (f" (prompt {i})" if len(prompts) > 1 else ""))
     try:
         cache = CacheConfig(max_prompt_len=args.max_prompt_len, min_response_len=args.min_response_len,
                             prefill_chunk_size=args.prefill_chunk_size)
@@ -146,8 +153,10 @@ def run_decode(args, out=None) -> dict:
             model = load_model(args.model)
         except (FileNotFoundError, ValueError) as e:
             raise UsageError(str(e)) from None
-        text = apply_chat_template(model, args.prompt) if args.chat else args.prompt
-        prompt_ids = model.encode(text)
+        ids = [model.encode(apply_chat_template(model, t) if args.chat else t) for t in prompts]
+        if len(prompts) > 1:
+            return _run_batch(args, prompts, ids, model, transport, cache, config, out)
+        prompt_ids = ids[0]
         try:
             decoder = Decoder(model, transport, cache, job_grouping=args.job_grouping)
             decoder.check_prompt(len(prompt_ids))
@@ -170,7 +179,7 @@ def run_decode(args, out=None) -> dict:
             emitted[0] = full
 
         if stream:
-            out.write(args.prompt if not args.chat else f"[chat] {args.prompt}\n")
+            out.write(prompts[0] if not args.chat else f"[chat] {prompts[0]}\n")
             out.flush()
         res = decoder.generate(prompt_ids, args.max_new_tokens, on_token=on_token)
     finally:
@@ -184,12 +193,63 @@ def run_decode(args, out=None) -> dict:
         with atomic_write(args.logits_out, "wb") as f:
             np.savez(f, logits=res.logits.astype(np.float32),
                      token_ids=np.asarray(res.tokens, np.int64), prompt_ids=np.asarray(res.prompt_ids, np.int64))
-    summary = dict(prompt=args.prompt, chat=bool(args.chat), text=text_out, token_ids=res.tokens,
+    summary = dict(prompt=prompts[0], chat=bool(args.chat), text=text_out, token_ids=res.tokens,
                    prompt_ids=res.prompt_ids, stop_reason=res.stop_reason.value,
-                   stats={k: (v if not isinstance(v, dict) else {str(a): b for a, b in v.items()})
-                          for k, v in stats.items()})
+                   stats=_jsonable(stats))
     if args.json:
         out.write(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _jsonable(stats: dict) -> dict:
+    return {k: (v if not isinstance(v, dict) else {str(a): b for a, b in v.items()}) for k, v in stats.items()}
+
+
+def _run_batch(args, prompts, ids, model, transport, cache, config, out) -> dict:
+    """``run_decode`` for several prompts: one ``BatchDecoder`` run; prints each
+    sequence's text, then the batch's statistics (no streaming)."""
+    try:
+        try:
+            decoder = BatchDecoder(model, transport, len(prompts), cache)
+            for b, p in enumerate(ids):
+                try:
+                    decoder.seqs[b].check_prompt(len(p))
+                except ValueError as e:
+                    raise ValueError(f"prompt {b}: {e}") from None
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        res = decoder.generate(ids, args.max_new_tokens)
+    finally:
+        transport.close()
+    stats = dict(res.stats, load_seconds=model.metadata["load_seconds"],
+                 array=f"{config.array_rows}x{config.array_cols}", **transport.backend_stats())
+    seqs = [dict(prompt=t, text=model.decode(r.tokens), token_ids=r.tokens, prompt_ids=r.prompt_ids,
+                 stop_reason=r.stop_reason.value, stats=r.stats) for t, r in zip(prompts, res.results)]
+    if args.logits_out:
+        arrays = {}
+        for b, r in enumerate(res.results):
+            arrays.update({f"logits_{b}": r.logits.astype(np.float32), f"token_ids_{b}": np.asarray(r.tokens, np.int64),
+                           f"prompt_ids_{b}": np.asarray(r.prompt_ids, np.int64)})
+        with atomic_write(args.logits_out, "wb") as f:
+            np.savez(f, **arrays)
+    summary = dict(chat=bool(args.chat), sequences=seqs, stats=_jsonable(stats))
+    if args.json:
+        out.write(json.dumps(summary, indent=2) + "\n")
+        return summary
+    for b, sq in enumerate(seqs):
+        out.write(f"[{b}] {sq['prompt']}{sq['text']}\n    stopped: {sq['stop_reason']} after "
+                  f"{sq['stats']['new_tokens']} tokens (prompt {sq['stats']['prompt_tokens']} tokens)\n")
+    cyc = stats["npu_cycles_per_token"]
+    lines = [f"batch of {stats['sequences']}: {stats['new_tokens']} tokens, tokens/s (wall): "
+             f"{stats['tokens_per_second']:.3g}",
+             "NPU cycles per token: " + (f"{cyc:,.0f}" if cyc is not None
+                                         else f"n/a ({stats['backend']} backend has no clock)"),
+             f"attention jobs: {stats['jobs']}" + (f" ({stats['jobs_per_step']:.0f} per generate step for the whole "
+                                                   "batch)" if stats["jobs_per_step"] else "")]
+    if stats.get("kv_resident"):
+        lines.append(f"KV cache resident in NPU DRAM: {_fmt_bytes(stats['kv_upload_bytes'])} of K/V stored, "
+                     f"{stats['npu_power_ups']} NPU power-up(s)")
+    out.write("\n" + "\n".join(lines) + "\n")
     return summary
 
 

@@ -30,6 +30,12 @@ depends on how far a conversation has got:
   window while short contexts move fewer bytes.
 * **stops** — EOS (any end-of-generation token), ``max_new_tokens``, or a
   full cache (``cache_full``: the next token would need slot ``capacity``).
+* **prefix reuse** — a prompt that starts with the previous prompt's whole
+  prefill chunks keeps their slots and runs only the chunks after them
+  (``Decoder.shared_chunks``); the output is bit-identical to a fresh run.
+* **batches** — ``BatchDecoder``: several sequences, each with its own
+  slots, positions and mask, in one buffer (``BatchKV``); every generate
+  step is one job per layer for all of them (per-head masks).
 
 Dataflow of one forward call (a prefill chunk or a generate step)::
 
@@ -58,8 +64,8 @@ from .model import LlamaModel
 from .transport import FP16_BYTES, AttentionJob, Transport
 
 __all__ = [
-    "CacheConfig", "KVCache", "CacheFullError", "StopReason", "ForwardRecord", "GenerationResult",
-    "Decoder", "JOB_GROUPINGS",
+    "CacheConfig", "KVCache", "BatchKV", "CacheFullError", "StopReason", "ForwardRecord", "GenerationResult",
+    "Decoder", "BatchDecoder", "BatchResult", "JOB_GROUPINGS",
 ]
 
 #: How query heads are packed into NPU jobs: "layer" = all heads of a layer in
@@ -87,10 +93,13 @@ class CacheConfig:
     Attributes
     ----------
     max_prompt_len : int
-        Longest prompt in tokens that prefill accepts (default 64).
+        Longest prompt in tokens that prefill accepts (default 1024, as the
+        OpenVINO GenAI NPU pipeline's ``MAX_PROMPT_LEN``: docs.openvino.ai, "OpenVINO
+        GenAI on NPU").
     min_response_len : int
-        Slots reserved for the response (default 16); every accepted prompt
-        can generate at least ``min_response_len + 1`` tokens.
+        Slots reserved for the response (default 128, as its
+        ``MIN_RESPONSE_LEN``); every accepted prompt can generate at least
+        ``min_response_len + 1`` tokens.
     prefill_chunk_size : int
         Query rows of one prefill job (default 64 = one q tile).
     variants : tuple of int or None
@@ -105,8 +114,8 @@ class CacheConfig:
         a non-positive size, or a variant outside 1..capacity.
     """
 
-    max_prompt_len: int = 64
-    min_response_len: int = 16
+    max_prompt_len: int = 1024
+    min_response_len: int = 128
     prefill_chunk_size: int = 64
     variants: tuple | None = None
 
@@ -151,15 +160,19 @@ class KVCache:
         Bytes written into the buffers since the last ``reset``.
     """
 
-    def __init__(self, n_layers: int, kv_heads: int, capacity: int, head_dim: int):
+    def __init__(self, n_layers: int, kv_heads: int, capacity: int, head_dim: int, buffers=None):
         self.capacity = _pos_int("capacity", capacity)
         self.n_layers = _pos_int("n_layers", n_layers)
         shape = (n_layers, _pos_int("kv_heads", kv_heads), capacity, _pos_int("head_dim", head_dim))
-        check_memory(2 * FP16_BYTES * n_layers * kv_heads * capacity * head_dim + 9 * n_layers * capacity,
-                     f"a KV cache of capacity {capacity} ({n_layers} layers x {kv_heads} kv heads x "
-                     f"head_dim {head_dim})")
-        self.k = np.zeros(shape, np.float16)
-        self.v = np.zeros(shape, np.float16)
+        if buffers is None:
+            check_memory(2 * FP16_BYTES * n_layers * kv_heads * capacity * head_dim + 9 * n_layers * capacity,
+                         f"a KV cache of capacity {capacity} ({n_layers} layers x {kv_heads} kv heads x "
+                         f"head_dim {head_dim})")
+            self.k = np.zeros(shape, np.float16)
+            self.v = np.zeros(shape, np.float16)
+        else:                               # views of a larger buffer (``BatchKV``)
+            self.k, self.v = buffers
+            assert self.k.shape == self.v.shape == shape and self.k.dtype == np.float16
         self.valid = np.zeros(capacity, bool)
         self.writes = np.zeros((n_layers, capacity), np.int64)
         self.write_bytes = 0
@@ -169,10 +182,19 @@ class KVCache:
         """Valid slots."""
         return int(self.valid.sum())
 
-    def reset(self) -> None:
-        """Forget every token (the buffer keeps its stale contents, as DRAM does)."""
-        self.valid[:] = False
-        self.writes[:] = 0
+    def reset(self, keep: int = 0) -> None:
+        """Forget every token from slot ``keep`` on (default: all of them); the
+        buffer keeps its stale contents, as DRAM does.  ``write_bytes`` starts
+        again from 0; ``writes`` keeps its counts below ``keep``.
+
+        Raises
+        ------
+        ValueError
+            ``keep`` not an int in 0..length (nothing is changed).
+        """
+        keep = _int_in("keep", keep, 0, self.length)
+        self.valid[keep:] = False
+        self.writes[:, keep:] = 0
         self.write_bytes = 0
 
     def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
@@ -216,6 +238,36 @@ class KVCache:
         if start + n > self.capacity:
             raise CacheFullError(f"slots {start}..{start + n - 1} pass the KV capacity {self.capacity}")
         self.valid[start:start + n] = True
+
+
+class BatchKV:
+    """The KV buffer of a batch of sequences, as the NPU's DRAM holds it.
+
+    FP16 ``k``, ``v`` [n_layers, batch * kv_heads, capacity, head_dim]:
+    sequence b owns kv heads b*kv_heads..(b+1)*kv_heads-1, so a generate
+    step's job reads every sequence's window with one head stride.
+    ``seqs[b]`` is sequence b's ``KVCache`` over views of these buffers
+    (its own slot mask and write counts); ``writes`` [n_layers, capacity]
+    counts, per slot, the most writes any sequence made (what a backend
+    that mirrors the buffer must store again).
+    """
+
+    def __init__(self, n_layers: int, kv_heads: int, capacity: int, head_dim: int, batch: int):
+        batch = _pos_int("batch", batch)
+        G = _pos_int("kv_heads", kv_heads)
+        check_memory(2 * FP16_BYTES * n_layers * batch * G * capacity * head_dim + 9 * batch * n_layers * capacity,
+                     f"a batch of {batch} KV caches of capacity {capacity} ({n_layers} layers x {G} kv heads x "
+                     f"head_dim {head_dim})")
+        shape = (n_layers, batch * G, capacity, head_dim)
+        self.k = np.zeros(shape, np.float16)
+        self.v = np.zeros(shape, np.float16)
+        self.seqs = [KVCache(n_layers, G, capacity, head_dim,
+                             buffers=(self.k[:, b * G:(b + 1) * G], self.v[:, b * G:(b + 1) * G]))
+                     for b in range(batch)]
+
+    @property
+    def writes(self) -> np.ndarray:
+        return np.max([c.writes for c in self.seqs], axis=0)
 
 
 class StopReason(str, enum.Enum):
@@ -268,6 +320,29 @@ class GenerationResult:
     trace: list = field(default_factory=list)
 
 
+def _check_decoder(model, transport, cache, blas_threads):
+    """The checks of ``Decoder`` and ``BatchDecoder``; returns (cache config, blas_threads)."""
+    if not isinstance(model, LlamaModel):
+        raise TypeError(f"model must be a LlamaModel, not {type(model).__name__}")
+    if not isinstance(transport, Transport):
+        raise TypeError(f"transport must be a Transport, not {type(transport).__name__}")
+    cache = CacheConfig() if cache is None else cache
+    if not isinstance(cache, CacheConfig):
+        raise TypeError(f"cache must be a CacheConfig, not {cache!r}")
+    transport.config.check_head_dim(model.hparams.head_dim)
+    if cache.capacity > model.hparams.context_length:
+        raise ValueError(f"KV capacity {cache.capacity} (max_prompt_len {cache.max_prompt_len} + "
+                         f"min_response_len {cache.min_response_len}) is above the model's context length "
+                         f"{model.hparams.context_length}")
+    return cache, (None if blas_threads is None else _pos_int("blas_threads", blas_threads))
+
+
+def _check_max_new_tokens(v) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, not {v!r}")
+    return int(v)
+
+
 class Decoder:
     """Greedy decode of a ``LlamaModel`` with every attention call on a ``Transport``.
 
@@ -281,6 +356,13 @@ class Decoder:
         "layer" (default): all query heads of a layer in one job; "head": one
         job per query head (for measuring the mapping; results are
         bit-identical).
+    prefix_reuse : bool
+        True (default): a prompt that starts with the whole prefill chunks of
+        the previous prompt keeps their KV slots and runs only the chunks
+        after them (never its last chunk, whose logits it returns).  A chunk
+        is reused only when its ids, its slots and its neighbours are those
+        of the earlier run, so every later job is the job the earlier run
+        would have sent: the output is bit-identical to a run without reuse.
     blas_threads : int or None
         BLAS threads for the host's matmuls while the decoder runs (default
         1; None leaves the library's setting).  The host matmuls are small
@@ -299,33 +381,39 @@ class Decoder:
     """
 
     def __init__(self, model: LlamaModel, transport: Transport, cache: CacheConfig | None = None,
-                 job_grouping: str = "layer", blas_threads: int | None = 1):
-        if not isinstance(model, LlamaModel):
-            raise TypeError(f"model must be a LlamaModel, not {type(model).__name__}")
-        if not isinstance(transport, Transport):
-            raise TypeError(f"transport must be a Transport, not {type(transport).__name__}")
-        cache = CacheConfig() if cache is None else cache
-        if not isinstance(cache, CacheConfig):
-            raise TypeError(f"cache must be a CacheConfig, not {cache!r}")
+                 job_grouping: str = "layer", prefix_reuse: bool = True, blas_threads: int | None = 1):
         if job_grouping not in JOB_GROUPINGS:
             raise ValueError(f"job_grouping must be one of {JOB_GROUPINGS}, not {job_grouping!r}")
-        transport.config.check_head_dim(model.hparams.head_dim)
-        if cache.capacity > model.hparams.context_length:
-            raise ValueError(f"KV capacity {cache.capacity} (max_prompt_len {cache.max_prompt_len} + "
-                             f"min_response_len {cache.min_response_len}) is above the model's context length "
-                             f"{model.hparams.context_length}")
+        cache, blas_threads = _check_decoder(model, transport, cache, blas_threads)
+        hp = model.hparams
+        kv = KVCache(hp.n_layers, hp.n_kv_heads, cache.capacity, hp.head_dim)
+        self._init(model, transport, cache, job_grouping, prefix_reuse, blas_threads, kv, 0,
+                   transport.bind_cache(kv), True)
+
+    def _init(self, model, transport, cache, job_grouping, prefix_reuse, blas_threads, kv, kv_head0, resident,
+              owns_counters):
+        """State of a checked decoder (``BatchDecoder`` makes its sequences here)."""
         self.model = model
         self.transport = transport
         self.config = cache
         self.job_grouping = job_grouping
-        self.blas_threads = None if blas_threads is None else _pos_int("blas_threads", blas_threads)
+        self.prefix_reuse = bool(prefix_reuse)
+        self.blas_threads = blas_threads
         hp = model.hparams
-        self.cache = KVCache(hp.n_layers, hp.n_kv_heads, cache.capacity, hp.head_dim)
+        self.cache = kv
+        #: the kv head of the transport's bound cache that this sequence's kv head 0 is
+        self.kv_head0 = kv_head0
         #: the cache lives in the NPU's memory (the transport keeps its own copy)
-        self.resident = transport.bind_cache(self.cache)
+        self.resident = resident
+        #: ``reset`` also zeroes the transport's counters (a batch's sequences share them)
+        self._owns_counters = owns_counters
         self.variants = cache.variant_capacities(transport.config.bc)
         self.scale = 1.0 / math.sqrt(hp.head_dim)
         self.trace: list = []
+        #: ids of the whole prefill chunks the cache holds from slot 0 (the last prefill's)
+        self._chunks: list = []
+        #: prompt tokens whose KV the last prefill took from the previous prompt
+        self.reused_tokens = 0
 
     # ---------------------------------------------------------------- helpers
     def _blas_limit(self):
@@ -340,11 +428,29 @@ class Decoder:
     def capacity(self) -> int:
         return self.cache.capacity
 
-    def reset(self) -> None:
-        """Start a new sequence: no valid slot, empty trace, counters at zero."""
-        self.cache.reset()
+    def reset(self, keep: int = 0) -> None:
+        """Start a new sequence: no valid slot from ``keep`` on (default: none
+        at all), empty trace, counters at zero."""
+        self.cache.reset(keep)
         self.trace = []
-        self.transport.reset_counters()
+        if self._owns_counters:
+            self.transport.reset_counters()
+        if keep == 0:
+            self._chunks = []
+
+    def shared_chunks(self, prompt_ids) -> int:
+        """Whole prefill chunks at the start of ``prompt_ids`` (a sequence of
+        ints) that equal the previous prompt's and can be reused: all but the
+        prompt's last chunk, 0 with ``prefix_reuse`` off."""
+        if not self.prefix_reuse:
+            return 0
+        ids = [int(i) for i in prompt_ids]
+        c = self.config.prefill_chunk_size
+        n = 0
+        while (n < len(self._chunks) and (n + 1) * c < len(ids) and (n + 1) * c <= self.cache.length
+               and tuple(ids[n * c:(n + 1) * c]) == self._chunks[n]):
+            n += 1
+        return n
 
     def select_variant(self, slots_needed: int) -> int:
         """Smallest variant window holding ``slots_needed`` slots.
@@ -377,7 +483,8 @@ class Decoder:
         k.flags.writeable = False                 # views of the DRAM buffer: backends only read them
         v.flags.writeable = False
         if self.job_grouping == "layer":
-            job = AttentionJob(layer, q16, k, v, mask, self.scale, q_offset, kv_valid_len, self.resident)
+            job = AttentionJob(layer, q16, k, v, mask, self.scale, q_offset, kv_valid_len, self.resident,
+                               self.kv_head0)
             return self.transport.run(job).o
         group = self.model.hparams.group        # per-head jobs carry their kv head's window
         outs = []
@@ -387,10 +494,10 @@ class Decoder:
             outs.append(self.transport.run(job).o)
         return np.concatenate(outs, axis=0)
 
-    def _forward(self, ids, kind: str) -> np.ndarray:
-        """Run ids through every layer, appending them to the cache; return the last row's logits."""
-        ids = np.asarray(ids, np.int64)
-        n = ids.shape[0]
+    def _slots(self, n: int, window: int | None = None):
+        """Where the next ``n`` tokens go: (first slot, int64 [n] position ids,
+        KV window -- the smallest variant unless given --, bool [n, window]
+        mask).  Raises CacheFullError when they pass the capacity."""
         cache = self.cache
         start = cache.length
         if start + n > cache.capacity:
@@ -399,22 +506,37 @@ class Decoder:
         valid_after[start:start + n] = True
         slot_pos = np.cumsum(valid_after) - 1                    # position id held by each valid slot
         positions = int(cache.valid.sum()) + np.arange(n, dtype=np.int64)
-        window = self.select_variant(start + n)
+        window = self.select_variant(start + n) if window is None else window
         mask = valid_after[None, :window] & (slot_pos[None, :window] <= positions[:, None])
-        jobs_before = self.transport.counters.jobs
+        return start, positions, window, mask
 
+    def _qkv(self, layer: int, x, start: int, positions) -> np.ndarray:
+        """Layer ``layer``'s projections of ``x``: K/V stored in their slots
+        (and in the NPU's copy), Q returned as float16 [heads, n, head_dim]."""
+        q, k, v = self.model.qkv(layer, x, positions)
+        k16, v16 = k.astype(np.float16), v.astype(np.float16)
+        self.cache.write(layer, start, k16, v16)
+        self.transport.write_kv(layer, start, k16, v16, self.kv_head0)
+        return q.astype(np.float16)
+
+    def _commit(self, kind: str, ids, start: int, positions, window: int, jobs: int, x) -> np.ndarray:
+        """Mark the slots valid, trace the call; the last row's float32 [vocab] logits."""
+        self.cache.commit(start, ids.shape[0])
+        self.trace.append(ForwardRecord(kind, start, ids, positions, window, jobs))
+        return self.model.logits(x[-1:])[0]
+
+    def _forward(self, ids, kind: str) -> np.ndarray:
+        """Run ids through every layer, appending them to the cache; return the last row's logits."""
+        ids = np.asarray(ids, np.int64)
+        n = ids.shape[0]
+        start, positions, window, mask = self._slots(n)
+        jobs_before = self.transport.counters.jobs
         x = self.model.embed(ids)
         for layer in range(self.model.hparams.n_layers):
-            q, k, v = self.model.qkv(layer, x, positions)
-            k16, v16 = k.astype(np.float16), v.astype(np.float16)
-            cache.write(layer, start, k16, v16)
-            self.transport.write_kv(layer, start, k16, v16)
-            o = self._attention(layer, q.astype(np.float16), window, mask, int(positions[0]), start + n)
+            q16 = self._qkv(layer, x, start, positions)
+            o = self._attention(layer, q16, window, mask, int(positions[0]), start + n)
             x = self.model.finish_layer(layer, x, o)
-        cache.commit(start, n)
-        self.trace.append(ForwardRecord(kind, start, ids, positions, window,
-                                        self.transport.counters.jobs - jobs_before))
-        return self.model.logits(x[-1:])[0]
+        return self._commit(kind, ids, start, positions, window, self.transport.counters.jobs - jobs_before, x)
 
     def prefill(self, prompt_ids) -> np.ndarray:
         """Reset, then run the prompt in chunks of ``prefill_chunk_size``.
@@ -422,6 +544,9 @@ class Decoder:
         Returns
         -------
         float32 [vocab] logits after the last prompt token.
+
+        With ``prefix_reuse`` the whole chunks shared with the previous
+        prompt (``shared_chunks``) are not run again (``reused_tokens``).
 
         Raises
         ------
@@ -431,12 +556,18 @@ class Decoder:
         """
         ids = np.asarray(list(prompt_ids), np.int64)
         self.check_prompt(ids.shape[0])
-        self.reset()
         chunk = self.config.prefill_chunk_size
+        kept = self.shared_chunks(ids)
+        self.reset(kept * chunk)
+        self._chunks = self._chunks[:kept]
+        self.reused_tokens = kept * chunk
         logits = None
         with self._blas_limit():
-            for s in range(0, ids.shape[0], chunk):
-                logits = self._forward(ids[s:s + chunk], "prefill")
+            for s in range(kept * chunk, ids.shape[0], chunk):
+                part = ids[s:s + chunk]
+                logits = self._forward(part, "prefill")
+                if part.shape[0] == chunk:
+                    self._chunks.append(tuple(int(i) for i in part))
         return logits
 
     def step(self, token_id: int) -> np.ndarray:
@@ -465,7 +596,9 @@ class Decoder:
 
         Returns
         -------
-        GenerationResult whose ``stats`` holds: prompt_tokens, new_tokens,
+        GenerationResult whose ``stats`` holds: prompt_tokens,
+        prefix_reused_tokens (prompt tokens whose KV came from the previous
+        prompt), new_tokens,
         prefill_chunks, prefill_seconds, decode_seconds, total_seconds,
         tokens_per_second (new tokens / total wall time), decode_tokens_per_second
         (tokens after the first / decode time, None if there were none),
@@ -480,8 +613,7 @@ class Decoder:
         ValueError
             bad ``max_new_tokens`` or a prompt that does not fit.
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, not {max_new_tokens!r}")
+        max_new_tokens = _check_max_new_tokens(max_new_tokens)
         stop = frozenset(self.model.eog_token_ids if stop_ids is None else (int(s) for s in stop_ids))
         prompt_ids = [int(i) for i in prompt_ids]
         self.check_prompt(len(prompt_ids))
@@ -524,6 +656,7 @@ class Decoder:
             capacity=self.capacity,
             slots_used=self.cache.length,
             prompt_tokens=n_prompt,
+            prefix_reused_tokens=self.reused_tokens,
             new_tokens=n_new,
             prefill_chunks=sum(r.kind == "prefill" for r in self.trace),
             prefill_seconds=t_prefill,
@@ -543,3 +676,190 @@ class Decoder:
             variant_steps=variant_steps,
             variant_switches=sum(a != b for a, b in zip(windows, windows[1:])),
         )
+
+
+@dataclass
+class BatchResult:
+    """Output of ``BatchDecoder.generate``.
+
+    results : list of GenerationResult, one per prompt (its ``stats``: the
+    sequence's prompt_tokens, prefix_reused_tokens, new_tokens, slots_used,
+    capacity); stats : dict of the batch (see ``BatchDecoder.generate``).
+    """
+
+    results: list
+    stats: dict
+
+
+class BatchDecoder:
+    """Greedy decode of several sequences together on one ``Transport``.
+
+    Every sequence has its own prompt, KV slots, position ids and mask:
+    ``seqs[b]`` is a ``Decoder`` over its share of one ``BatchKV`` buffer
+    (kv heads b*kv_heads..(b+1)*kv_heads-1 of every layer), bound to the
+    transport as one cache.  Prompts are prefilled one sequence at a time
+    (their own chunked prefill jobs, with prefix reuse per sequence); then
+    each generate step sends the next token of every running sequence as ONE
+    NPU job per layer::
+
+       q     f16 [n*heads, 1, d]       sequences lo..hi of the batch that run
+       k, v  f16 [n*kv_heads, W, d]    their kv heads, W = the largest window
+                                       any of them needs (a generate variant)
+       mask  bool [n*heads, 1, W]      sequence b's heads see only its slots
+
+    A stopped sequence between two running ones rides along with a zero
+    query and an all-false mask (its rows come back as zeros and are
+    dropped).  The host side (embedding, projections, MLP) runs per
+    sequence with the calls ``Decoder.step`` makes, and the NPU leaves a row
+    unchanged bit for bit over masked keys, so every sequence's tokens and
+    logits are bit-identical to decoding it alone with a ``Decoder``.
+
+    Parameters
+    ----------
+    model, transport, cache, prefix_reuse, blas_threads : as ``Decoder``
+    batch : int
+        Sequences the buffer holds (>= 1).
+
+    Raises
+    ------
+    ValueError
+        as ``Decoder``; a batch < 1; a buffer of ``batch`` caches above the
+        memory limit or, on a transport that keeps the cache in NPU memory,
+        above that memory.
+    TypeError
+        wrong model / transport / cache types.
+    """
+
+    def __init__(self, model: LlamaModel, transport: Transport, batch: int, cache: CacheConfig | None = None,
+                 prefix_reuse: bool = True, blas_threads: int | None = 1):
+        cache, blas_threads = _check_decoder(model, transport, cache, blas_threads)
+        hp = model.hparams
+        self.batch = _pos_int("batch", batch)
+        self.model = model
+        self.transport = transport
+        self.config = cache
+        self.kv = BatchKV(hp.n_layers, hp.n_kv_heads, cache.capacity, hp.head_dim, self.batch)
+        self.resident = transport.bind_cache(self.kv)
+        self.seqs = []
+        for b in range(self.batch):
+            d = Decoder.__new__(Decoder)
+            d._init(model, transport, cache, "layer", prefix_reuse, blas_threads, self.kv.seqs[b],
+                    b * hp.n_kv_heads, self.resident, False)
+            self.seqs.append(d)
+
+    def _step(self, tokens: dict) -> dict:
+        """One generate step of the sequences in ``tokens`` ({b: token id}):
+        one job per layer; returns {b: float32 [vocab] logits}."""
+        hp, seqs = self.model.hparams, self.seqs
+        H, G, d = hp.n_heads, hp.n_kv_heads, hp.head_dim
+        lo, hi = min(tokens), max(tokens) + 1
+        window = max(seqs[b].select_variant(seqs[b].cache.length + 1) for b in tokens)
+        plan = {b: seqs[b]._slots(1, window) for b in tokens}
+        xs = {b: self.model.embed([t]) for b, t in tokens.items()}
+        jobs_before = self.transport.counters.jobs
+        scale = seqs[lo].scale
+        for layer in range(hp.n_layers):
+            q = np.zeros(((hi - lo) * H, 1, d), np.float16)
+            mask = np.zeros(((hi - lo) * H, 1, window), bool)
+            for b, (start, pos, _, m) in plan.items():
+                r = (b - lo) * H
+                q[r:r + H] = seqs[b]._qkv(layer, xs[b], start, pos)
+                mask[r:r + H] = m
+            k = self.kv.k[layer, lo * G:hi * G, :window]
+            v = self.kv.v[layer, lo * G:hi * G, :window]
+            k.flags.writeable = False
+            v.flags.writeable = False
+            job = AttentionJob(layer, q, k, v, mask, scale, min(int(p[1][0]) for p in plan.values()),
+                               max(p[0] for p in plan.values()) + 1, self.resident, lo * G)
+            o = self.transport.run(job).o
+            for b in tokens:
+                r = (b - lo) * H
+                xs[b] = self.model.finish_layer(layer, xs[b], o[r:r + H])
+        jobs = self.transport.counters.jobs - jobs_before
+        return {b: seqs[b]._commit("generate", np.array([t], np.int64), plan[b][0], plan[b][1], window, jobs, xs[b])
+                for b, t in tokens.items()}
+
+    def generate(self, prompts, max_new_tokens: int, stop_ids=None, on_token=None) -> BatchResult:
+        """Greedy decode of ``prompts`` (a list of at most ``batch`` token-id
+        sequences; prompt b runs in sequence b), each until its own stop.
+
+        Parameters
+        ----------
+        prompts : list of sequences of int
+        max_new_tokens, stop_ids : as ``Decoder.generate``
+        on_token : callable(b, token id), optional
+
+        Returns
+        -------
+        BatchResult whose ``stats`` holds: batch, sequences, prompt_tokens
+        and new_tokens (totals), prefill_seconds, decode_seconds,
+        total_seconds, tokens_per_second (new tokens of all sequences / total
+        wall time), jobs, generate_steps, jobs_per_step, npu_cycles and
+        npu_cycles_per_token (None without a clock), kv_read_bytes, backend.
+
+        Raises
+        ------
+        ValueError
+            more prompts than ``batch`` or none (before any work), a prompt
+            that does not fit (the message names its index), bad
+            ``max_new_tokens``.
+        """
+        prompts = [[int(i) for i in p] for p in prompts]
+        if not 1 <= len(prompts) <= self.batch:
+            raise ValueError(f"{len(prompts)} prompts do not fit a batch of {self.batch} sequences")
+        max_new_tokens = _check_max_new_tokens(max_new_tokens)
+        for b, p in enumerate(prompts):
+            try:
+                self.seqs[b].check_prompt(len(p))
+            except ValueError as e:
+                raise ValueError(f"prompt {b}: {e}") from None
+        stop = frozenset(self.model.eog_token_ids if stop_ids is None else (int(s) for s in stop_ids))
+        self.transport.reset_counters()
+        t0 = time.perf_counter()
+        logits = {b: self.seqs[b].prefill(p) for b, p in enumerate(prompts)}
+        t1 = time.perf_counter()
+        prefill_jobs = self.transport.counters.jobs
+        tokens = [[] for _ in prompts]
+        rows = [[] for _ in prompts]
+        reasons = [None] * len(prompts)
+        steps = 0
+        with self.seqs[0]._blas_limit():
+            while logits:
+                nxt = {}
+                for b, lg in logits.items():
+                    rows[b].append(lg)
+                    tok = int(np.argmax(lg))
+                    tokens[b].append(tok)
+                    if on_token is not None:
+                        on_token(b, tok)
+                    if tok in stop:
+                        reasons[b] = StopReason.EOS
+                    elif len(tokens[b]) >= max_new_tokens:
+                        reasons[b] = StopReason.MAX_NEW_TOKENS
+                    elif self.seqs[b].cache.length >= self.config.capacity:
+                        reasons[b] = StopReason.CACHE_FULL
+                    else:
+                        nxt[b] = tok
+                logits = self._step(nxt) if nxt else {}
+                steps += bool(nxt)
+        t2 = time.perf_counter()
+        results = []
+        for b, p in enumerate(prompts):
+            seq = self.seqs[b]
+            st = dict(prompt_tokens=len(p), prefix_reused_tokens=seq.reused_tokens, new_tokens=len(tokens[b]),
+                      slots_used=seq.cache.length, capacity=self.config.capacity)
+            results.append(GenerationResult(p, tokens[b], np.stack(rows[b]).astype(np.float32), reasons[b], st,
+                                            list(seq.trace)))
+        c = self.transport.counters
+        n_new = sum(len(t) for t in tokens)
+        total = t2 - t0
+        stats = dict(backend=self.transport.name, batch=self.batch, sequences=len(prompts),
+                     prompt_tokens=sum(len(p) for p in prompts), new_tokens=n_new,
+                     prefill_seconds=t1 - t0, decode_seconds=t2 - t1, total_seconds=total,
+                     tokens_per_second=n_new / total if total > 0 else None,
+                     jobs=c.jobs, generate_steps=steps,
+                     jobs_per_step=((c.jobs - prefill_jobs) / steps) if steps else None,
+                     npu_cycles=c.cycles,
+                     npu_cycles_per_token=(c.cycles / n_new) if c.cycles is not None and n_new else None,
+                     kv_read_bytes=c.kv_bytes)
+        return BatchResult(results, stats)

@@ -70,9 +70,11 @@ class AttentionJob:
     k, v : float16 [kv_heads, window, head_dim]
         The layer's KV cache, slots 0..window-1, as stored in NPU DRAM (a view
         of the driver's buffer; a backend must not write it).
-    mask : bool [seq_q, window]
-        True where query row i may attend slot j.  Slots that are not valid
-        are False whatever garbage they hold.
+    mask : bool [seq_q, window] or [heads, seq_q, window]
+        True where query row i (of head h) may attend slot j.  Slots that are
+        not valid are False whatever garbage they hold.  A per-head mask lets
+        one job carry several sequences (``BatchDecoder``: sequence b's heads
+        read its own kv heads and see its own slots).
     scale : float
         Softmax scale (1/sqrt(head_dim) for Llama).
     q_offset : int
@@ -86,6 +88,9 @@ class AttentionJob:
         backend already holds slots 0..window-1 of ``layer`` (the driver
         stored each new slot once with ``Transport.write_kv``), so ``k`` and
         ``v`` are not uploaded; they still give the shapes.
+    kv_head0 : int
+        With ``resident``: the bound cache's kv head that ``k[0]`` is (the
+        job reads kv heads kv_head0..kv_head0+kv_heads-1 of ``layer``).
     """
 
     layer: int
@@ -97,6 +102,7 @@ class AttentionJob:
     q_offset: int
     kv_valid_len: int
     resident: bool = False
+    kv_head0: int = 0
 
     def __post_init__(self):
         """Raises ValueError naming the value: wrong dtypes or shapes, a
@@ -113,9 +119,11 @@ class AttentionJob:
             raise ValueError(f"job shapes disagree: q {self.q.shape}, k {self.k.shape}, v {self.v.shape}")
         if heads % kv_heads:
             raise ValueError(f"job heads={heads} is not a multiple of kv_heads={kv_heads}")
-        if self.mask.dtype != np.bool_ or self.mask.shape != (seq_q, window):
-            raise ValueError(f"job.mask must be bool [{seq_q}, {window}], not {self.mask.dtype} {self.mask.shape}")
-        for name, lo, hi in (("layer", 0, None), ("q_offset", 0, None), ("kv_valid_len", 0, window)):
+        if self.mask.dtype != np.bool_ or self.mask.shape not in ((seq_q, window), (heads, seq_q, window)):
+            raise ValueError(f"job.mask must be bool [{seq_q}, {window}] or [{heads}, {seq_q}, {window}], "
+                             f"not {self.mask.dtype} {self.mask.shape}")
+        for name, lo, hi in (("layer", 0, None), ("q_offset", 0, None), ("kv_valid_len", 0, window),
+                             ("kv_head0", 0, None)):
             val = getattr(self, name)
             if (isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < lo
                     or (hi is not None and val > hi)):
@@ -125,8 +133,10 @@ class AttentionJob:
             nx.scale_log2e(self.scale, d)
         except (TypeError, ValueError) as e:
             raise ValueError(f"job.scale: {e}") from None
-        bad = first_nonfinite((("job.q", self.q, self.mask.any(1)), ("job.k", self.k, self.mask.any(0)),
-                               ("job.v", self.v, self.mask.any(0))))
+        m = np.broadcast_to(self.mask, (heads, seq_q, window))
+        kv_used = m.reshape(kv_heads, heads // kv_heads, seq_q, window).any((1, 2))
+        bad = first_nonfinite((("job.q", self.q, m.any(2)), ("job.k", self.k, kv_used),
+                               ("job.v", self.v, kv_used)))
         if bad:
             raise ValueError(bad)
 
@@ -249,9 +259,11 @@ class Transport(abc.ABC):
         e.g. the golden backend): every job carries its window."""
         return False
 
-    def write_kv(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:  # noqa: B027 -- a hook
-        """Store k, v (float16 [kv_heads, n, head_dim]) in slots start..start+n-1
-        of ``layer`` of a bound cache (no-op unless ``bind_cache`` returned True)."""
+    def write_kv(self, layer: int, start: int, k: np.ndarray, v: np.ndarray,  # noqa: B027 -- a hook
+                 head0: int = 0) -> None:
+        """Store k, v (float16 [n_heads, n, head_dim]) in slots start..start+n-1
+        of kv heads head0..head0+n_heads-1 of ``layer`` of a bound cache
+        (no-op unless ``bind_cache`` returned True)."""
 
     def run(self, job: AttentionJob) -> JobResult:
         """Run one job and add its cost to ``counters``.
@@ -332,7 +344,8 @@ class RTLTransport(Transport):
     cache stored again before its first job.
 
     The job goes in as the driver's mask (``[seq_q, window]``, one mask row per
-    query, shared by the heads), so padded and future slots are hidden whatever
+    query, shared by the heads, or one per head and query for a batch), so
+    padded and future slots are hidden whatever
     they hold; ``cycles`` are the NPU's ``total_cycles`` counter and ``bytes``
     follow ``job_bytes`` (the RTL's own per-level bytes are in ``last_counters``).
 
@@ -423,7 +436,7 @@ class RTLTransport(Transport):
         self._mirrored_by = None
         return True
 
-    def write_kv(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
+    def write_kv(self, layer: int, start: int, k: np.ndarray, v: np.ndarray, head0: int = 0) -> None:
         """Queue the new slots' DRAM writes (sent with the next resident job,
         then counted in ``kv_upload_bytes``)."""
         if self._cache is None:
@@ -434,7 +447,7 @@ class RTLTransport(Transport):
         for base, x in ((lay["k"], k), (lay["v"], v)):
             rows = fp16_rows(x, self.config)
             for g in range(rows.shape[0]):
-                a = base + layer * lay["layer"] + g * lay["head_stride"] + int(start) * lay["row"]
+                a = base + layer * lay["layer"] + (head0 + g) * lay["head_stride"] + int(start) * lay["row"]
                 self._pending.append((a, rows[g].tobytes()))
 
     @property
@@ -483,7 +496,7 @@ class RTLTransport(Transport):
                         self.write_kv(layer, 0, c.k[layer, :, :n], c.v[layer, :, :n])
                 self._mirrored_by = session
             lay = self._layout
-            off = job.layer * lay["layer"]
+            off = job.layer * lay["layer"] + job.kv_head0 * lay["head_stride"]
             spec["resident"] = dict(kv=dict(k_base=lay["k"] + off, v_base=lay["v"] + off,
                                             head_stride=lay["head_stride"]),
                                     base=lay["base"], writes=self._pending)

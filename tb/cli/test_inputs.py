@@ -260,7 +260,7 @@ def test_decode_numbers(capsys, option, value):
 def test_decode_huge_prompt_capacity(tmp_path, capsys):
     assert_rejected(*run(capsys, "decode", "--prompt", "hi", "--max-prompt-len", "100000000",
                          "--logits-out", tmp_path / "s.npz"),
-                    "KV capacity 100000016", "max_prompt_len 100000000", "context length 8192")
+                    "KV capacity 100000128", "max_prompt_len 100000000", "context length 8192")
     assert list(tmp_path.iterdir()) == []
 
 

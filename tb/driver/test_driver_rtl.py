@@ -15,7 +15,8 @@ one at a time through its CSR host interface.  Checked here:
 * the KV cache resident in NPU DRAM: one power-up for the whole decode, each
   slot stored once, the cache stored again into a restarted session, a cache
   too large for the DRAM refused, resident jobs back to back without reset
-  and a power-up again after a job the NPU stopped.
+  and a power-up again after a job the NPU stopped, a shared prompt prefix
+  kept in NPU DRAM, a batch of sequences decoded together.
 
 SmolLM2-135M on the rtl backend is in ``tb/driver/test_driver_smollm2.py``.
 """
@@ -31,7 +32,7 @@ import numpy as np
 import pytest
 
 from flashnpu.config import NPUConfig
-from flashnpu.driver.runtime import CacheConfig, Decoder
+from flashnpu.driver.runtime import BatchDecoder, CacheConfig, Decoder
 from flashnpu.driver.transport import GoldenTransport, RTLTransport
 from flashnpu.golden import flash_attention_hw
 from flashnpu.sim import runner
@@ -164,12 +165,55 @@ def test_resident_cache_survives_a_restarted_session():
     with RTLTransport(CFG8) as rtl:
         dec = Decoder(model, rtl, cache)
         first = dec.generate(prompt(6, seed=4), 1, stop_ids=())
-        os.kill(rtl.session.pid, signal.SIGKILL)
+        pid = rtl.session.pid
+        assert pid not in (None, os.getpid())               # the simulator's own process, not this one
+        os.kill(pid, signal.SIGKILL)
         rtl._session._thread.join(timeout=30)
         logits = dec.step(first.tokens[0])             # a new session; the cache is stored again
         assert rtl.sessions_started == 2 and rtl.power_ups == 2
     np.testing.assert_array_equal(first.logits[0], gold.logits[0])
     np.testing.assert_array_equal(logits, gold.logits[1])
+
+
+def test_prefix_reuse_keeps_the_shared_chunks_in_npu_dram():
+    """A second prompt that shares one whole chunk with the first: its slots
+    stay in NPU DRAM (only the new slots are stored) and the logits equal a
+    fresh golden run of that prompt."""
+    model = tiny_model(seed=5)
+    cache = CacheConfig(max_prompt_len=12, min_response_len=4, prefill_chunk_size=4)
+    a = prompt(6, seed=6)
+    b = a[:4] + prompt(3, seed=7)
+    gold = Decoder(model, GoldenTransport(CFG8), cache).generate(b, 2, stop_ids=())
+    with RTLTransport(CFG8) as rtl:
+        dec = Decoder(model, rtl, cache)
+        dec.generate(a, 1, stop_ids=())
+        before = rtl.kv_upload_bytes
+        res = dec.generate(b, 2, stop_ids=())
+        stored = rtl.kv_upload_bytes - before
+        assert rtl.sessions_started == 1 and rtl.power_ups == 1
+    assert res.stats["prefix_reused_tokens"] == 4
+    hp = model.hparams                                   # slots 4..7: 3 prompt tokens and 1 generated
+    assert stored == 2 * hp.n_layers * hp.n_kv_heads * 4 * 32
+    assert res.tokens == gold.tokens
+    np.testing.assert_array_equal(res.logits, gold.logits)
+
+
+def test_batch_decode_on_rtl_equals_golden():
+    """Two sequences of their own lengths decoded together on the resident
+    cache (their kv heads side by side in NPU DRAM): one job per layer per
+    step carrying both, per-head masks; tokens and logits bit-identical to
+    the golden backend, one power-up."""
+    model = tiny_model(seed=8)
+    cache = CacheConfig(max_prompt_len=8, min_response_len=4)
+    prompts = [prompt(3, seed=41), prompt(7, seed=42)]
+    gold = BatchDecoder(model, GoldenTransport(CFG8), 2, cache).generate(prompts, 3, stop_ids=())
+    with RTLTransport(CFG8) as rtl:
+        out = BatchDecoder(model, rtl, 2, cache).generate(prompts, 3, stop_ids=())
+        assert rtl.power_ups == 1 and rtl.sessions_started == 1
+    assert out.stats["jobs_per_step"] == model.hparams.n_layers and out.stats["generate_steps"] == 2
+    for g, r in zip(gold.results, out.results):
+        assert r.tokens == g.tokens
+        np.testing.assert_array_equal(r.logits, g.logits)
 
 
 def _resident_job(case, kb=0x1000, **extra):

@@ -18,7 +18,7 @@ import pytest
 from flashnpu.config import small_config
 from flashnpu.driver import transport as transport_mod
 from flashnpu.driver.model import LayerWeights, LlamaHParams, LlamaModel
-from flashnpu.driver.runtime import CacheConfig, CacheFullError, Decoder, StopReason
+from flashnpu.driver.runtime import BatchDecoder, CacheConfig, CacheFullError, Decoder, StopReason
 from flashnpu.driver.transport import (
     AttentionJob,
     BackendUnavailable,
@@ -322,6 +322,132 @@ def test_gqa_one_job_per_layer_equals_one_job_per_head(tiny):
     assert a.stats["jobs_per_token"] == L and b.stats["jobs_per_token"] == L * H
     assert all(j.heads == H for j in t1.jobs) and all(j.heads == 1 for j in t2.jobs)
     assert a.stats["kv_read_bytes"] < b.stats["kv_read_bytes"]
+
+
+# ------------------------------------------------------------ prefix reuse
+def test_prefix_reuse_runs_only_the_chunks_after_the_shared_ones(tiny):
+    """A prompt that starts with the previous prompt's whole chunks keeps their
+    slots: only the later chunks run, and every job, token and logit is
+    bit-identical to a fresh decoder's run of that prompt."""
+    a = prompt(19, seed=5)                                   # chunks of 8: 8, 8, 3
+    b = a[:16] + prompt(6, seed=6)                           # shares 2 whole chunks, then 6 new tokens
+    t = RecordingTransport()
+    d = decoder(tiny, max_prompt_len=24, min_response_len=8, chunk=8, transport=t)
+    d.generate(a, 4, stop_ids=())
+    assert d.shared_chunks(b) == 2 and d.shared_chunks(a) == 2
+    t.jobs.clear()
+    res = d.generate(b, 4, stop_ids=())
+    t_fresh = RecordingTransport()
+    fresh = decoder(tiny, max_prompt_len=24, min_response_len=8, chunk=8, transport=t_fresh).generate(b, 4, stop_ids=())
+    assert res.tokens == fresh.tokens
+    np.testing.assert_array_equal(res.logits, fresh.logits)
+    assert res.stats["prefix_reused_tokens"] == 16 and fresh.stats["prefix_reused_tokens"] == 0
+    pre = [r for r in res.trace if r.kind == "prefill"]
+    assert [(r.slot_start, len(r.ids)) for r in pre] == [(16, 6)] and res.stats["prefill_chunks"] == 1
+    L = tiny.hparams.n_layers
+    skipped = t_fresh.jobs[2 * L:]                           # the fresh run's jobs after its first two chunks
+    assert len(t.jobs) == len(skipped)
+    for j, f in zip(t.jobs, skipped):                        # the same jobs, bit for bit
+        for name in ("q", "mask"):
+            np.testing.assert_array_equal(getattr(j, name), getattr(f, name))
+        np.testing.assert_array_equal(j.k[:, :j.kv_valid_len], f.k[:, :f.kv_valid_len])
+        assert (j.q_offset, j.kv_valid_len, j.window) == (f.q_offset, f.kv_valid_len, f.window)
+    assert np.all(d.cache.writes[:, :16] == 1)               # the kept slots were not written again
+    assert res.stats["kv_write_bytes"] < fresh.stats["kv_write_bytes"]
+
+
+@pytest.mark.parametrize("second, shared", [
+    ("same", 1),          # the same 16 tokens: the last chunk runs again for its logits
+    ("longer", 2),        # the 19-token prompt after the 16-token one
+    ("differs", 1),       # one token changed in chunk 1
+    ("partial", 0),       # the earlier prompt's partial chunk is not a whole chunk
+])
+def test_prefix_reuse_takes_whole_shared_chunks_only(tiny, second, shared):
+    a = prompt(16, seed=7)
+    b = {"same": a, "longer": a + prompt(3, seed=8), "differs": a[:8] + [(a[8] + 1) % 97] + a[9:],
+         "partial": None}[second]
+    d = decoder(tiny, max_prompt_len=24, min_response_len=8, chunk=8)
+    if second == "partial":
+        a, b = a[:5], a[:5] + prompt(7, seed=9)              # 5 tokens: no whole chunk to reuse
+    d.generate(a, 3, stop_ids=())
+    assert d.shared_chunks(b) == shared
+    res = d.generate(b, 3, stop_ids=())
+    fresh = decoder(tiny, max_prompt_len=24, min_response_len=8, chunk=8).generate(b, 3, stop_ids=())
+    np.testing.assert_array_equal(res.logits, fresh.logits)
+    assert res.stats["prefix_reused_tokens"] == 8 * shared
+
+
+def test_prefix_reuse_can_be_turned_off_and_forgets_on_reset(tiny):
+    a = prompt(17, seed=10)
+    off = decoder(tiny, max_prompt_len=24, min_response_len=8, chunk=8, prefix_reuse=False)
+    off.generate(a, 2, stop_ids=())
+    assert off.shared_chunks(a) == 0 and off.generate(a, 2, stop_ids=()).stats["prefix_reused_tokens"] == 0
+    on = decoder(tiny, max_prompt_len=24, min_response_len=8, chunk=8)
+    on.generate(a, 2, stop_ids=())
+    assert on.shared_chunks(a) == 2
+    on.reset()
+    assert on.shared_chunks(a) == 0 and on.cache.length == 0
+
+
+def test_cache_defaults_are_runtime_sized():
+    c = CacheConfig()
+    assert (c.max_prompt_len, c.min_response_len, c.capacity) == (1024, 128, 1152)
+
+
+# ------------------------------------------------------------ batches
+def test_batch_decode_equals_decoding_each_sequence_alone(tiny):
+    """Three sequences of their own lengths in one buffer, one job per layer
+    per step: every sequence's tokens and logits are bit-identical to a
+    Decoder's; the long middle one stops on a full cache first and rides
+    along masked, the last one's stop shrinks the job."""
+    cache = CacheConfig(max_prompt_len=16, min_response_len=8, prefill_chunk_size=8)
+    prompts = [prompt(5, seed=21), prompt(16, seed=22), prompt(11, seed=23)]
+    t = RecordingTransport()
+    bd = BatchDecoder(tiny, t, 3, cache)
+    out = bd.generate(prompts, 10, stop_ids=())
+    L, H = tiny.hparams.n_layers, tiny.hparams.n_heads
+    for p, r in zip(prompts, out.results):
+        alone = Decoder(tiny, GoldenTransport(NPU), cache).generate(p, 10, stop_ids=())
+        assert r.tokens == alone.tokens and r.stop_reason is alone.stop_reason
+        np.testing.assert_array_equal(r.logits, alone.logits)
+    assert [r.stop_reason for r in out.results] == [StopReason.MAX_NEW_TOKENS, StopReason.CACHE_FULL,
+                                                    StopReason.MAX_NEW_TOKENS]
+    assert [len(r.tokens) for r in out.results] == [10, 9, 10]
+    st = out.stats
+    assert st["generate_steps"] == 9 and st["jobs_per_step"] == L and st["new_tokens"] == 29
+    steps = [j for j in t.jobs if j.seq_q == 1]
+    assert len(steps) == 9 * L and all(j.mask.shape == (j.heads, 1, j.window) for j in steps)
+    assert {j.heads for j in steps} == {3 * H}
+    # after sequence 1 stopped (its 9th token), its heads see nothing
+    last = steps[-L:]
+    assert all(not j.mask[H:2 * H].any() and j.mask[:H].any() and j.mask[2 * H:].any() for j in last)
+    assert all(np.all(j.q[H:2 * H] == 0) for j in last)
+
+
+def test_batch_job_covers_only_the_running_range(tiny):
+    cache = CacheConfig(max_prompt_len=16, min_response_len=8, prefill_chunk_size=8)
+    t = RecordingTransport()
+    out = BatchDecoder(tiny, t, 2, cache).generate([prompt(4, seed=31), prompt(16, seed=32)], 12, stop_ids=())
+    H, G = tiny.hparams.n_heads, tiny.hparams.n_kv_heads
+    assert [len(r.tokens) for r in out.results] == [12, 9]
+    steps = [j for j in t.jobs if j.seq_q == 1]
+    assert [j.heads for j in steps[::tiny.hparams.n_layers]] == [2 * H] * 8 + [H] * 3
+    assert {j.kv_heads for j in steps[-3:]} == {G}
+
+
+def test_batch_that_does_not_fit_is_refused_before_any_job(tiny):
+    cache = CacheConfig(max_prompt_len=16, min_response_len=8, prefill_chunk_size=8)
+    t = RecordingTransport()
+    bd = BatchDecoder(tiny, t, 2, cache)
+    with pytest.raises(ValueError, match="3 prompts do not fit a batch of 2 sequences"):
+        bd.generate([prompt(3)] * 3, 2)
+    with pytest.raises(ValueError, match=r"prompt 1: the prompt has 17 tokens but max_prompt_len is 16"):
+        bd.generate([prompt(3), prompt(17)], 2)
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
+        bd.generate([prompt(3)], 0)
+    with pytest.raises(ValueError, match="batch must be a positive int"):
+        BatchDecoder(tiny, t, 0, cache)
+    assert t.jobs == [] and bd.kv.writes.sum() == 0
 
 
 # ------------------------------------------------------------ transport

@@ -162,8 +162,8 @@ def test_d2_exact_multiple_prompt(smollm2, n):
 def test_generate_variants_identical_to_largest(smollm2):
     """Variants 64 and 80 over one buffer: a 60-token prompt switches up mid-generation."""
     ids = long_prompt(smollm2, 60)
-    a = Decoder(smollm2, GoldenTransport()).generate(ids, 8, stop_ids=())
-    b = Decoder(smollm2, GoldenTransport(), CacheConfig(variants=(80,))).generate(ids, 8, stop_ids=())
+    a = Decoder(smollm2, GoldenTransport(), CacheConfig(64, 16)).generate(ids, 8, stop_ids=())
+    b = Decoder(smollm2, GoldenTransport(), CacheConfig(64, 16, variants=(80,))).generate(ids, 8, stop_ids=())
     assert [r.window for r in a.trace] == [64] * 5 + [80] * 3        # slots 60..63 fit in 64, then 80
     assert {r.window for r in b.trace} == {80}
     assert a.tokens == b.tokens
@@ -173,7 +173,7 @@ def test_generate_variants_identical_to_largest(smollm2):
 def test_d3_prompt_too_long_is_an_error(smollm2):
     ids = long_prompt(smollm2, 65)
     with pytest.raises(ValueError, match=r"65 tokens but max_prompt_len is 64 \(KV capacity 80"):
-        Decoder(smollm2, GoldenTransport()).generate(ids, 4)
+        Decoder(smollm2, GoldenTransport(), CacheConfig(64, 16)).generate(ids, 4)
 
 
 # ------------------------------------------------------------ CLI
@@ -217,8 +217,27 @@ def test_cli_streams_text_and_statistics(cli, smollm2, girl_run):
         assert needle in out, out
 
 
+def test_cli_batch_of_prompts(cli, smollm2, girl_run, tmp_path):
+    """Two --prompt: one batch; each sequence's tokens and logits equal its
+    run alone; bad input names the prompt."""
+    _, res, _ = girl_run
+    f = tmp_path / "batch.npz"
+    code, out, err = cli("--prompt", GIRL, "--prompt", "Once upon a time", "--max-new-tokens", "3", "--json",
+                         "--logits-out", str(f))
+    assert code == 0, err
+    doc = json.loads(out)
+    assert [s["prompt"] for s in doc["sequences"]] == [GIRL, "Once upon a time"]
+    assert doc["sequences"][0]["token_ids"] == res.tokens[:3]
+    assert doc["sequences"][1]["token_ids"] == [28, 260, 2240]             # ", the city", as alone
+    assert doc["stats"]["batch"] == 2 and doc["stats"]["jobs_per_step"] == 30
+    saved = np.load(f)
+    np.testing.assert_array_equal(saved["logits_0"], res.logits[:3])
+    code, out, err = cli("--prompt", "hi", "--prompt", LONG_TEXT, "--max-new-tokens", "2", "--max-prompt-len", "64")
+    assert code == 2 and "prompt 1: the prompt has" in err and out == ""
+
+
 def test_cli_bad_input_exits_2(cli):
-    code, out, err = cli("--prompt", LONG_TEXT, "--max-new-tokens", "2")
+    code, out, err = cli("--prompt", LONG_TEXT, "--max-new-tokens", "2", "--max-prompt-len", "64")
     assert code == 2 and "max_prompt_len is 64" in err and out == ""
     code, out, err = cli("--prompt", "hi", "--max-new-tokens", "0")
     assert code == 2 and "--max-new-tokens" in err
