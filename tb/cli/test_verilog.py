@@ -53,11 +53,12 @@ def _check_outputs(out, top, rows, cols):
 
 # Sizes of the named tops (each lint is a few seconds; 4x4 of the full core
 # is the largest in the default suite).
-CASES = [("pe", 2, 2), ("array", 2, 2), ("array", 4, 4), ("core", 2, 2), ("core", 4, 4),
-         ("npu", 2, 2)]
+SIZES = [("pe", 2, 2), ("array", 2, 2), ("array", 4, 4), ("core", 2, 2), ("core", 4, 4), ("npu", 2, 2)]
+# the whole NPU takes about 3 minutes: `make test-all`
+CASES = [pytest.param(*c, marks=pytest.mark.slow) if c[0] == "npu" else c for c in SIZES]
 
 
-@pytest.mark.parametrize("top,rows,cols", CASES, ids=[f"{t}-{r}x{c}" for t, r, c in CASES])
+@pytest.mark.parametrize("top,rows,cols", CASES, ids=[f"{t}-{r}x{c}" for t, r, c in SIZES])
 def test_top_lint_clean(tmp_path, capsys, top, rows, cols):
     _need_tools()
     rc, out = _generate(tmp_path, top, rows, cols)

@@ -251,6 +251,8 @@ CYCLE_TOLERANCE = 0.015
 
 
 @pytest.mark.rtl
+# slow: builds of its own (several minutes on 2 cores); runs in `make test-all`
+@pytest.mark.slow
 def test_model_matches_rtl_counters():
     """~30 s with a cached 8x8 NPU build (one simulator session for every job)."""
     if not runner.have_simulator("verilator"):

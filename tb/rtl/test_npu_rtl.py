@@ -301,7 +301,7 @@ def test_npu_32x32_default():
     assert r["counters"]["kv_tiles"] == 2 + 2
 
 
-@pytest.mark.parametrize("size", [4, 8])
+@pytest.mark.parametrize("size", [4, pytest.param(8, marks=pytest.mark.slow)])   # 8: a build of its own
 def test_npu_icarus(size):
     """The whole NPU under Icarus: CSR, DMA descriptors, TSV, SRAM and core
     with X-initialised registers before reset and X-initialised memories, and

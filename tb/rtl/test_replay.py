@@ -57,6 +57,8 @@ def test_replay_equals_golden_and_cocotb(case, tmp_path):
     assert res["cycles"] > 0 and res["cycles_per_s"] > 0
 
 
+# slow: builds of its own (several minutes on 2 cores); runs in `make test-all`
+@pytest.mark.slow
 def test_s1_threads_do_not_change_results(case, tmp_path):
     runs = {t: [_replay(case, tmp_path, t) for _ in range(5)] for t in (1, 2)}
     first = runs[1][0]
@@ -67,6 +69,8 @@ def test_s1_threads_do_not_change_results(case, tmp_path):
             assert r["cycles"] == first["cycles"], t
 
 
+# slow: builds of its own (several minutes on 2 cores); runs in `make test-all`
+@pytest.mark.slow
 def test_s2_flat_row_and_flat_build_trace_alike(case, tmp_path):
     """Case S2: the default (hierarchical) build with waves keeps PE row
     ``WAVE_ROW`` flat, so its PEs are traced; a fully flat build traces every
