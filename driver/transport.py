@@ -80,7 +80,9 @@ class AttentionJob:
     q_offset : int
         Position of query row 0; with contiguous valid slots the mask equals
         ``(j < kv_valid_len) & (j <= q_offset + i)`` (a controller may take
-        these two numbers instead of the mask).
+        these two numbers instead of the mask).  A batch's job (per-head
+        mask) gives the smallest position and the largest valid length of
+        its sequences; its mask alone decides what each head sees.
     kv_valid_len : int
         Valid slots in the window after this job's K/V were written.
     resident : bool
