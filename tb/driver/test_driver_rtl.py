@@ -16,7 +16,8 @@ one at a time through its CSR host interface.  Checked here:
   slot stored once, the cache stored again into a restarted session, a cache
   too large for the DRAM refused, resident jobs back to back without reset
   and a power-up again after a job the NPU stopped, a shared prompt prefix
-  kept in NPU DRAM, a batch of sequences decoded together.
+  kept in NPU DRAM, a batch of sequences decoded together, and the same
+  resident decode under Icarus.
 
 SmolLM2-135M on the rtl backend is in ``tb/driver/test_driver_smollm2.py``.
 """
@@ -31,7 +32,7 @@ import time
 import numpy as np
 import pytest
 
-from flashnpu.config import NPUConfig
+from flashnpu.config import NPUConfig, small_config
 from flashnpu.driver.runtime import BatchDecoder, CacheConfig, Decoder
 from flashnpu.driver.transport import GoldenTransport, RTLTransport
 from flashnpu.golden import flash_attention_hw
@@ -139,6 +140,24 @@ def test_tiny_llama_decode_on_rtl_equals_golden():
     hp = model.hparams
     assert st["kv_resident"] and st["npu_power_ups"] == 1
     assert st["kv_upload_bytes"] == 2 * hp.n_layers * hp.n_kv_heads * (len(ids) + 3) * 32
+
+
+@pytest.mark.skipif(not runner.have_simulator("icarus"), reason="Icarus Verilog not installed")
+def test_resident_decode_under_icarus_equals_golden():
+    """The second simulator serves the same persistent session with the KV
+    cache resident in NPU DRAM: a 4 x 4 NPU (the build of
+    ``tb/rtl/test_npu_rtl.py::test_npu_icarus[4]``), tokens and logits equal
+    to the golden backend's, one power-up."""
+    cfg = small_config(4, 4)
+    model = tiny_model()
+    cache = CacheConfig(max_prompt_len=8, min_response_len=4)
+    gold = Decoder(model, GoldenTransport(cfg), cache).generate(prompt(3), 2, stop_ids=())
+    with RTLTransport(cfg, sim="icarus") as rtl:
+        res = Decoder(model, rtl, cache).generate(prompt(3), 2, stop_ids=())
+        st = rtl.backend_stats()
+    assert st["simulator"] == "icarus" and st["sim_sessions"] == 1 and st["npu_power_ups"] == 1
+    assert res.tokens == gold.tokens
+    np.testing.assert_array_equal(res.logits, gold.logits)
 
 
 def test_resident_cache_that_does_not_fit_is_refused():
