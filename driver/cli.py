@@ -84,9 +84,14 @@ def npu_config(rows: int, cols: int) -> NPUConfig:
     return array_config(rows, cols)
 
 
+def _cycles_line(stats: dict) -> str:
+    cyc = stats["npu_cycles_per_token"]
+    return "NPU cycles per token: " + (f"{cyc:,.0f}" if cyc is not None
+                                       else f"n/a ({stats['backend']} backend has no clock)")
+
+
 def format_stats(stats: dict, stop_reason: str) -> str:
     """Human-readable statistics block."""
-    cyc = stats["npu_cycles_per_token"]
     tps = stats["tokens_per_second"]
     dtps = stats["decode_tokens_per_second"]
     lines = [
@@ -95,8 +100,7 @@ def format_stats(stats: dict, stop_reason: str) -> str:
         f"tokens/s (wall): {tps:.3g}" + (f"   (generate steps only: {dtps:.3g})" if dtps else ""),
         f"model load: {stats.get('load_seconds', float('nan')):.2f} s   prefill: {stats['prefill_seconds']:.2f} s "
         f"in {stats['prefill_chunks']} chunk(s)   generate: {stats['decode_seconds']:.2f} s",
-        "NPU cycles per token: " + (f"{cyc:,.0f}" if cyc is not None
-                                    else f"n/a ({stats['backend']} backend has no clock)"),
+        _cycles_line(stats),
         f"attention jobs: {stats['jobs']}" + (f" ({stats['jobs_per_token']:.0f} per generated token, "
                                               f"grouping '{stats['job_grouping']}')"
                                               if stats["jobs_per_token"] else ""),
@@ -211,11 +215,7 @@ def _run_batch(args, prompts, ids, model, transport, cache, config, out) -> dict
     try:
         try:
             decoder = BatchDecoder(model, transport, len(prompts), cache)
-            for b, p in enumerate(ids):
-                try:
-                    decoder.seqs[b].check_prompt(len(p))
-                except ValueError as e:
-                    raise ValueError(f"prompt {b}: {e}") from None
+            decoder.check_prompts(ids)
         except ValueError as e:
             raise UsageError(str(e)) from None
         res = decoder.generate(ids, args.max_new_tokens)
@@ -239,11 +239,9 @@ def _run_batch(args, prompts, ids, model, transport, cache, config, out) -> dict
     for b, sq in enumerate(seqs):
         out.write(f"[{b}] {sq['prompt']}{sq['text']}\n    stopped: {sq['stop_reason']} after "
                   f"{sq['stats']['new_tokens']} tokens (prompt {sq['stats']['prompt_tokens']} tokens)\n")
-    cyc = stats["npu_cycles_per_token"]
     lines = [f"batch of {stats['sequences']}: {stats['new_tokens']} tokens, tokens/s (wall): "
              f"{stats['tokens_per_second']:.3g}",
-             "NPU cycles per token: " + (f"{cyc:,.0f}" if cyc is not None
-                                         else f"n/a ({stats['backend']} backend has no clock)"),
+             _cycles_line(stats),
              f"attention jobs: {stats['jobs']}" + (f" ({stats['jobs_per_step']:.0f} per generate step for the whole "
                                                    "batch)" if stats["jobs_per_step"] else "")]
     if stats.get("kv_resident"):

@@ -158,6 +158,9 @@ class KVCache:
         How many times each slot was written since the last ``reset``.
     write_bytes : int
         Bytes written into the buffers since the last ``reset``.
+
+    ``buffers`` (optional): (k, v) arrays of that shape to use instead of new
+    ones -- views of a ``BatchKV`` buffer, whose memory it has checked.
     """
 
     def __init__(self, n_layers: int, kv_heads: int, capacity: int, head_dim: int, buffers=None):
@@ -747,6 +750,18 @@ class BatchDecoder:
                     b * hp.n_kv_heads, self.resident, False)
             self.seqs.append(d)
 
+    def check_prompts(self, prompts) -> None:
+        """Raise ``ValueError`` unless ``prompts`` (token-id sequences) fit:
+        1..batch of them, each one ``Decoder.check_prompt`` accepts (the
+        message names its index)."""
+        if not 1 <= len(prompts) <= self.batch:
+            raise ValueError(f"{len(prompts)} prompts do not fit a batch of {self.batch} sequences")
+        for b, p in enumerate(prompts):
+            try:
+                self.seqs[b].check_prompt(len(p))
+            except ValueError as e:
+                raise ValueError(f"prompt {b}: {e}") from None
+
     def _step(self, tokens: dict) -> dict:
         """One generate step of the sequences in ``tokens`` ({b: token id}):
         one job per layer; returns {b: float32 [vocab] logits}."""
@@ -805,14 +820,8 @@ class BatchDecoder:
             ``max_new_tokens``.
         """
         prompts = [[int(i) for i in p] for p in prompts]
-        if not 1 <= len(prompts) <= self.batch:
-            raise ValueError(f"{len(prompts)} prompts do not fit a batch of {self.batch} sequences")
+        self.check_prompts(prompts)
         max_new_tokens = _check_max_new_tokens(max_new_tokens)
-        for b, p in enumerate(prompts):
-            try:
-                self.seqs[b].check_prompt(len(p))
-            except ValueError as e:
-                raise ValueError(f"prompt {b}: {e}") from None
         stop = frozenset(self.model.eog_token_ids if stop_ids is None else (int(s) for s in stop_ids))
         self.transport.reset_counters()
         t0 = time.perf_counter()

@@ -433,6 +433,7 @@ def _import_vcdvcd():
             signal.signal(signal.SIGPIPE, before)
     return vcdvcd
 
+
 class Waves:
     """A VCD file read with vcdvcd.
 
