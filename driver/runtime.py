@@ -358,7 +358,8 @@ class Decoder:
     job_grouping : "layer" or "head"
         "layer" (default): all query heads of a layer in one job; "head": one
         job per query head (for measuring the mapping; results are
-        bit-identical).
+        bit-identical), the layer's jobs sent together (``run_many``: queued
+        sweeps on the rtl backend).
     prefix_reuse : bool
         True (default): a prompt that starts with the whole prefill chunks of
         the previous prompt keeps their KV slots and runs only the chunks
@@ -490,12 +491,9 @@ class Decoder:
                                self.kv_head0)
             return self.transport.run(job).o
         group = self.model.hparams.group        # per-head jobs carry their kv head's window
-        outs = []
-        for h in range(q16.shape[0]):
-            g = h // group
-            job = AttentionJob(layer, q16[h:h + 1], k[g:g + 1], v[g:g + 1], mask, self.scale, q_offset, kv_valid_len)
-            outs.append(self.transport.run(job).o)
-        return np.concatenate(outs, axis=0)
+        jobs = [AttentionJob(layer, q16[h:h + 1], k[h // group:h // group + 1], v[h // group:h // group + 1],
+                             mask, self.scale, q_offset, kv_valid_len) for h in range(q16.shape[0])]
+        return np.concatenate([r.o for r in self.transport.run_many(jobs)], axis=0)
 
     def _slots(self, n: int, window: int | None = None):
         """Where the next ``n`` tokens go: (first slot, int64 [n] position ids,

@@ -277,7 +277,26 @@ class Transport(abc.ABC):
             backend returns an output of the wrong shape or dtype.
         """
         self.config.check_head_dim(job.head_dim)
-        res = self._run(job)
+        return self._account(job, self._run(job))
+
+    def run_many(self, jobs: list) -> list:
+        """Run independent jobs (no job reads another's output), e.g. the
+        per-head jobs of one layer; results in order, each accounted as by
+        ``run``.  A backend may submit them together (``RTLTransport``: one
+        queued sweep behind one doorbell of the NPU's command ring).
+
+        Raises
+        ------
+        ValueError as ``run``, before any job runs.
+        """
+        for job in jobs:
+            self.config.check_head_dim(job.head_dim)
+        return [self._account(job, res) for job, res in zip(jobs, self._run_many(jobs))]
+
+    def _run_many(self, jobs: list) -> list:
+        return [self._run(job) for job in jobs]
+
+    def _account(self, job: AttentionJob, res: JobResult) -> JobResult:
         want = (job.heads, job.seq_q, job.head_dim)
         if res.o.shape != want or res.o.dtype != np.float32:
             raise ValueError(f"backend {self.name!r} returned o {res.o.dtype} {res.o.shape}, expected float32 {want}")
@@ -472,12 +491,9 @@ class RTLTransport(Transport):
             self.startup_s += self._session.startup_s
         return self._session
 
-    def _run(self, job: AttentionJob) -> JobResult:
-        # deferred: the RTL backend imports amaranth and the NPU, which the
-        # golden backend (and `flashnpu --help`) does not need
-        from flashnpu.hdl.npu import NPUError
-        from flashnpu.sim.rtl_backend import run_jobs
-
+    def _spec(self, job: AttentionJob) -> dict:
+        """The run_jobs job dict of ``job`` (a resident job: its cache region
+        and the slots to store first)."""
         case = AttentionCase(q=np.ascontiguousarray(job.q), k=np.ascontiguousarray(job.k),
                              v=np.ascontiguousarray(job.v), mask=np.asarray(job.mask, bool),
                              scale=float(job.scale))
@@ -502,6 +518,26 @@ class RTLTransport(Transport):
             spec["resident"] = dict(kv=dict(k_base=lay["k"] + off, v_base=lay["v"] + off,
                                             head_stride=lay["head_stride"]),
                                     base=lay["base"], writes=self._pending)
+        return spec
+
+    def _result(self, job: AttentionJob, r: dict) -> JobResult:
+        from flashnpu.hdl.npu import NPUError
+
+        self.power_ups += bool(r.get("powered_up"))
+        if r["error"]:
+            raise RuntimeError(f"the NPU stopped the job of layer {job.layer}: {NPUError(r['error']).name}")
+        self.last_counters = r["counters"]
+        self.sim_wall_s += r["wall_s"]
+        return JobResult(o=r["o"], cycles=int(r["counters"]["total_cycles"]),
+                         bytes=job_bytes(job, self.config))
+
+    def _run(self, job: AttentionJob) -> JobResult:
+        # deferred: the RTL backend imports amaranth and the NPU, which the
+        # golden backend (and `flashnpu --help`) does not need
+        from flashnpu.sim.rtl_backend import run_jobs
+
+        spec = self._spec(job)
+        session = self.session
         if session is not None:
             r = session.run(spec)
         else:
@@ -511,13 +547,23 @@ class RTLTransport(Transport):
             self._pending = []
         elif session is not None:
             self._mirrored_by = None        # a job from reset starts from empty DRAM
-        self.power_ups += bool(r.get("powered_up"))
-        if r["error"]:
-            raise RuntimeError(f"the NPU stopped the job of layer {job.layer}: {NPUError(r['error']).name}")
-        self.last_counters = r["counters"]
-        self.sim_wall_s += r["wall_s"]
-        return JobResult(o=r["o"], cycles=int(r["counters"]["total_cycles"]),
-                         bytes=job_bytes(job, self.config))
+        return self._result(job, r)
+
+    def _run_many(self, jobs: list) -> list:
+        """Jobs without a resident cache go to the session as queued sweeps
+        of up to ``CQ_ENTRIES`` (one power-up and one doorbell per sweep,
+        each job's DRAM placed after the previous one's); others one by one."""
+        from flashnpu.hdl.npu_map import CQ_ENTRIES
+
+        if not self.persistent or any(j.resident for j in jobs):
+            return [self._run(j) for j in jobs]
+        out = []
+        for i in range(0, len(jobs), CQ_ENTRIES):
+            part = jobs[i:i + CQ_ENTRIES]
+            rs = self.session.run(dict(group=[self._spec(j) for j in part], name=f"layer{part[0].layer}"))
+            self._mirrored_by = None        # the sweep starts from reset: empty DRAM
+            out += [self._result(j, r) for j, r in zip(part, rs)]
+        return out
 
     def close(self) -> None:
         """Stop the simulator session, if one is running."""

@@ -21,19 +21,27 @@ Access modes
 ``w1p``  writing 1 to a bit gives hardware a one-cycle pulse; reads as 0.
 ``w1c``  hardware sets bits (``set`` input); host writes 1 to clear; reads
          the sticky value.
+
+Windows (``Window``): a block of ``words`` consecutive word addresses,
+aligned to its size, that the bank forwards to a memory inside a hardware
+block (for example the command ring): ``rw`` windows take the host's
+writes and reads, ``ro`` windows only its reads.  A window read has the
+register read's latency (``r_data`` one cycle after ``r_en``), so the block
+answers from a synchronous read port.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from amaranth import Module, Shape, Signal, Value, unsigned
+from amaranth import Module, Mux, Shape, Signal, Value, unsigned
 from amaranth.lib import data, wiring
 from amaranth.lib.wiring import In, Out
 
-__all__ = ["Field", "Register", "RegisterMap", "CSRBank", "ACCESS_MODES"]
+__all__ = ["Field", "Register", "Window", "RegisterMap", "CSRBank", "ACCESS_MODES", "WINDOW_MODES"]
 
 ACCESS_MODES = ("rw", "ro", "w1p", "w1c")
+WINDOW_MODES = ("rw", "ro")
 
 
 @dataclass(frozen=True)
@@ -120,22 +128,54 @@ class Register:
         return self.reset if isinstance(self.shape, Shape) else self.unpack(self.reset)
 
 
+@dataclass
+class Window:
+    """A block of ``words`` 32-bit words (a power of two) backed by a memory
+    in a hardware block; ``access`` one of ``WINDOW_MODES``.
+
+    Raises
+    ------
+    ValueError for an unknown access mode or a size that is not a power of two.
+    """
+
+    name: str
+    words: int
+    access: str = "rw"
+    doc: str = ""
+    address: int | None = None      # first word address, set by RegisterMap
+
+    def __post_init__(self):
+        if self.access not in WINDOW_MODES:
+            raise ValueError(f"window {self.name!r}: access must be one of {WINDOW_MODES}, not {self.access!r}")
+        if self.words < 1 or self.words & (self.words - 1):
+            raise ValueError(f"window {self.name!r}: words={self.words} is not a power of two")
+
+    @property
+    def index_bits(self) -> int:
+        return max(1, (self.words - 1).bit_length())
+
+
 class RegisterMap:
-    """An ordered collection of registers with word addresses.
+    """An ordered collection of registers with word addresses, and windows.
 
     ``add`` places a register at the next free word (or at ``address``);
-    ``to_dict`` gives the memory map as plain data (name -> byte address,
-    access, fields) for the driver and the Verilog sidecar.
+    ``add_window`` places a window after everything else, aligned to its
+    size; ``to_dict`` gives the memory map as plain data (name -> byte
+    address, access, fields; windows with their size) for the driver and the
+    Verilog sidecar.
     """
 
     def __init__(self, name: str = "csr"):
         self.name = name
         self._regs: dict[str, Register] = {}
+        self._windows: dict[str, Window] = {}
         self._next = 0
 
     def add(self, reg: Register, address: int | None = None) -> Register:
-        if reg.name in self._regs:
+        if reg.name in self._regs or reg.name in self._windows:
             raise ValueError(f"register name {reg.name!r} is used twice")
+        if self._windows:
+            raise ValueError(f"register {reg.name!r}: add registers before the windows")
         addr = self._next if address is None else address
         if any(r.address == addr for r in self._regs.values()):
             raise ValueError(f"register {reg.name!r}: word address {addr} is taken")
@@ -143,6 +183,24 @@ class RegisterMap:
         self._regs[reg.name] = reg
         self._next = max(self._next, addr + 1)
         return reg
+
+    def add_window(self, win: Window) -> Window:
+        if win.name in self._regs or win.name in self._windows:
+            raise ValueError(f"window name {win.name!r} is used twice")
+        win.address = -(-self._next // win.words) * win.words
+        self._windows[win.name] = win
+        self._next = win.address + win.words
+        return win
+
+    def window(self, name) -> Window:
+        try:
+            return self._windows[name]
+        except KeyError:
+            raise KeyError(f"no window named {name!r} in {self.name}") from None
+
+    @property
+    def windows(self) -> list:
+        return sorted(self._windows.values(), key=lambda w: w.address)
 
     def __getitem__(self, name) -> Register:
         try:
@@ -167,6 +225,8 @@ class RegisterMap:
                 dict(name=r.name, address=4 * r.address, access=r.access, doc=r.doc, reset=r.reset,
                      fields=[dict(name=f.name, offset=f.offset, width=f.width, doc=f.doc) for f in r.fields])
                 for r in self],
+            "windows": [dict(name=w.name, address=4 * w.address, words=w.words, access=w.access, doc=w.doc)
+                        for w in self.windows],
         }
 
 
@@ -184,6 +244,11 @@ class CSRBank(wiring.Component):
     register's ``shape`` (its fields by name, see ``Register.shape``):
     ``rw``: ``value`` Out (the stored word); ``ro``: ``status`` In;
     ``w1p``: ``pulse`` Out (one cycle); ``w1c``: ``set`` In and ``value`` Out.
+
+    Per window (``bank.window_port(name, kind)``): ``addr`` Out (word index
+    in the window), ``w_en`` Out (``rw`` windows), ``w_data`` Out(32),
+    ``r_en`` Out (a host read this cycle) and ``r_data`` In(32) (the block's
+    answer, one cycle after ``r_en``).
     """
 
     def __init__(self, regmap: RegisterMap):
@@ -200,7 +265,14 @@ class CSRBank(wiring.Component):
             else:
                 sig[f"{r.name}__set"] = In(r.shape)
                 sig[f"{r.name}__value"] = Out(r.shape)
+        for w in regmap.windows:
+            sig.update({f"{w.name}__addr": Out(w.index_bits), f"{w.name}__w_en": Out(1),
+                        f"{w.name}__w_data": Out(32), f"{w.name}__r_en": Out(1), f"{w.name}__r_data": In(32)})
         super().__init__(sig)
+
+    def window_port(self, win: str, kind: str):
+        """The signal ``kind`` ('addr', 'w_en', 'w_data', 'r_en', 'r_data') of window ``win``."""
+        return getattr(self, f"{win}__{kind}")
 
     def port(self, reg: str, kind: str):
         """The hardware-side signal ``kind`` ('value', 'status', 'pulse', 'set')
@@ -238,6 +310,20 @@ class CSRBank(wiring.Component):
                 m.d.sync += v.eq((v & ~clear) | self._word(r.name, "set"))
                 read_val = v
             read_mux = hit[r.name].replicate(32) & read_val | read_mux
+        reg_data = Signal(32)
         with m.If(self.r_en):
-            m.d.sync += self.r_data.eq(read_mux)
+            m.d.sync += reg_data.eq(read_mux)
+        # a window read: the block's synchronous port answers in the next cycle
+        r_data = reg_data
+        for w in self.regmap.windows:
+            w_hit = (self.addr >> w.index_bits) == (w.address >> w.index_bits)
+            last = Signal(name=f"{w.name}_read")
+            with m.If(self.r_en):
+                m.d.sync += last.eq(w_hit)
+            m.d.comb += [self.window_port(w.name, "addr").eq(self.addr[:w.index_bits]),
+                         self.window_port(w.name, "w_data").eq(self.w_data),
+                         self.window_port(w.name, "w_en").eq((self.w_en & w_hit) if w.access == "rw" else 0),
+                         self.window_port(w.name, "r_en").eq(self.r_en & w_hit)]
+            r_data = Mux(last, self.window_port(w.name, "r_data"), r_data)
+        m.d.comb += self.r_data.eq(r_data)
         return m

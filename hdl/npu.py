@@ -16,6 +16,9 @@ Dataflow, and which file holds which box
                     │        MemorySystem (dma.py): DMA (SRAM port 0, one word per channel
                     │        per cycle), SRAM (sram.py), per channel a TSV bundle pair (tsv.py)
                     │        and DRAM timing (dram.py) ──bk[c]──► DRAM storage (sim/dram_model.py)
+                    ├── CommandQueue (cmdq.py): descriptor ring and completion records (CSR
+                    │   windows), doorbell; while it runs a job it drives the controller's
+                    │   job registers and start, and takes its done, status and the counters
                     ├── PerfCounters (counters.py): cycles, bytes per level, ops
                     ├── TSVControl (tsv_ctl.py): self-test, repair map, fault injection
                     ├── StallInjector (stall.py): test-only random SRAM backpressure
@@ -71,6 +74,12 @@ Design trade-offs
   row assembly** (C FP32 lanes per SRAM write, so the read-out never waits)
   and **skipping masked kv tiles**: argued in ``loader.py``, ``owriter.py``
   and ``controller.py``.
+* **Command ring behind the CSRs** (``cmdq.py``): the host queues whole
+  sweeps of jobs with one doorbell and reads a completion record per job
+  instead of programming and polling each; the ring lives in a small
+  on-chip memory rather than in DRAM, so fetching a descriptor needs no
+  DMA and no SRAM port (25 cycles), at the cost of the host writing it
+  over the CSR bus.
 * **Decode.**  When seq_q == 1 the controller stacks the query heads of one
   KV group on the q tile's rows (Q rows at the head stride, causal off — a
   no-op for one query row — and the core's ``seq_q`` = rows in the tile).
@@ -101,7 +110,7 @@ is not OK and a started job is rejected with ``LINK_DOWN``.
 
 from __future__ import annotations
 
-from amaranth import Cat, Module, Value
+from amaranth import Cat, Module, Mux, Value
 from amaranth.back import verilog
 from amaranth.lib import wiring
 from amaranth.lib.wiring import In, Out
@@ -109,6 +118,7 @@ from amaranth.lib.wiring import In, Out
 from flashnpu.config import NPUConfig
 
 from .array import module_texts
+from .cmdq import CommandQueue
 from .controller import Controller, CtrlState
 from .core import Core
 from .counters import PerfCounters
@@ -186,6 +196,7 @@ class NPU(wiring.Component):
         m = Module()
         cfg = self.config
         m.submodules.csr = csr = CSRBank(self.regmap)
+        m.submodules.cmdq = cq = CommandQueue(self.regmap)
         m.submodules.ctrl = ctrl = Controller(cfg, self.regmap)
         m.submodules.dma_port = port = DMAPort()
         m.submodules.loader = loader = TileLoader(cfg)
@@ -215,7 +226,7 @@ class NPU(wiring.Component):
             wiring.connect(m, tsv_ctl=tsv.wr[c], memory=mem.tsv_wr[c])
             wiring.connect(m, memory=mem.bk[c], npu=wiring.flipped(self.bk[c]))
 
-        self._wire_csrs(m, csr, ctrl, port, core, cnt, tsv, loader)
+        self._wire_csrs(m, csr, ctrl, port, core, cnt, tsv, loader, cq)
         # status and job flow between the blocks
         m.d.comb += [
             ctrl.link_ok.eq(tsv.ok),
@@ -249,18 +260,32 @@ class NPU(wiring.Component):
                                                                    "tsv_rd_words", "tsv_wr_words")]
         return m
 
-    def _wire_csrs(self, m, csr, ctrl, port, core, cnt, tsv, loader):
-        """The host's CSRs to and from the blocks, field by field."""
+    def _wire_csrs(self, m, csr, ctrl, port, core, cnt, tsv, loader, cq):
+        """The host's CSRs to and from the blocks, field by field; the job
+        registers and the start pulse come from the command queue while it
+        runs a job (``hdl/cmdq.py``), and the controller's irq bits are then
+        the queue's to raise."""
         m.d.comb += [csr.addr.eq(self.csr_addr), csr.w_en.eq(self.csr_w_en),
                      csr.w_data.eq(self.csr_w_data), csr.r_en.eq(self.csr_r_en),
                      self.csr_r_data.eq(csr.r_data)]
-        m.d.comb += [getattr(ctrl, name).eq(csr.port(name, "value")) for name in JOB_REGS]
-        debug = csr.port("debug", "value")
+        m.d.comb += [getattr(ctrl, name).eq(Mux(cq.active, getattr(cq.job, name),
+                                                Value.cast(csr.port(name, "value"))))
+                     for name in JOB_REGS]
+        for win, side in (("cq_ring", "ring"), ("cq_cpl", "cpl")):
+            kinds = ("addr", "r_en", "w_en", "w_data") if side == "ring" else ("addr", "r_en")
+            m.d.comb += [getattr(cq, f"{side}__{k}").eq(csr.window_port(win, k)) for k in kinds]
+            m.d.comb += csr.window_port(win, "r_data").eq(getattr(cq, f"{side}__r_data"))
+        m.d.comb += [cq.doorbell.eq(csr.port("cq_doorbell", "pulse")), cq.ctl.eq(csr.port("cq_ctl", "pulse")),
+                     csr.port("cq_ptr", "status").eq(cq.ptr), csr.port("cq_status", "status").eq(cq.status),
+                     cq.ctrl_busy.eq(ctrl.status.busy), cq.ctrl_done.eq(ctrl.irq.done),
+                     cq.ctrl_status.eq(Value.cast(ctrl.status)), cq.counters.eq(cnt.counters)]
+        debug = ctrl.debug                  # the running job's (the queue's or the host's)
         irq = csr.port("irq", "value")
         reg_check = csr.port("reg_check", "status")
         m.d.comb += [
-            ctrl.start.eq(csr.port("ctrl", "pulse").start),
-            csr.port("status", "status").eq(ctrl.status), csr.port("irq", "set").eq(ctrl.irq),
+            ctrl.start.eq(Mux(cq.active, cq.start, csr.port("ctrl", "pulse").start)),
+            csr.port("status", "status").eq(ctrl.status),
+            csr.port("irq", "set").eq(Mux(cq.active, 0, Value.cast(ctrl.irq)) | Value.cast(cq.irq)),
             self.irq.eq(Value.cast(irq).any()),
             port.limit.eq(csr.port("watchdog", "value")), port.no_limit.eq(debug.no_queue_limit),
             core.inject.eq(Cat(debug.inject_skip_init, debug.inject_drop_s_write)),

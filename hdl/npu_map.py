@@ -17,12 +17,13 @@ from amaranth.utils import ceil_log2
 from flashnpu.config import NPUConfig
 
 from .core import LEN_BITS, cmd_layout
-from .csr import Field, Register, RegisterMap
+from .csr import Field, Register, RegisterMap, Window
 from .dma import descriptor_layout
 from .mem_common import word_bytes
 
 __all__ = ["NPU_MODULE", "QUEUE_DEPTH", "WATCHDOG_DEFAULT", "KV_STALE_DEFAULT", "O_TILES", "COUNT_BITS", "LEN_BITS",
-           "NPUError", "Tag", "COUNTERS", "DESC_REGS", "JOB_REGS", "register_map", "tsv_lane_bits",
+           "NPUError", "Tag", "COUNTERS", "DESC_REGS", "JOB_REGS", "CQ_ENTRIES", "CQ_ENTRY_WORDS", "CQ_DESC",
+           "CQ_FLAGS", "CQ_CPL", "register_map", "tsv_lane_bits",
            "loader_lanes", "o_lanes", "o_chunk", "sram_map", "sim_config",
            "job_layout", "qtile_layout", "otile_layout"]
 
@@ -89,6 +90,24 @@ DESC_REGS = ("q_base", "k_base", "v_base", "o_base", "mask_base",
 
 #: the registers that describe a job (the controller's inputs)
 JOB_REGS = ("heads", "seq", "head_dim", "flags", "kv_valid_len", "scale_c", "debug", "kv_stale_limit") + DESC_REGS
+
+
+#: entries of the command ring (``hdl/cmdq.py``) and words per entry (a
+#: descriptor in ``cq_ring``, a completion record in ``cq_cpl``)
+CQ_ENTRIES = 8
+CQ_ENTRY_WORDS = 32
+#: a command-ring descriptor: word i holds the value of register CQ_DESC[i]
+#: (the job registers, then ``cq_flags``)
+CQ_DESC = JOB_REGS + ("cq_flags",)
+#: the descriptor's last word (not a CSR: ``CQ_FLAGS.pack(irq=1, tag=7)``)
+CQ_FLAGS = Register("cq_flags", "rw", [Field("irq", 1, 0, "raise irq.done when this job completes"),
+                                       Field("tag", 16, 16, "echoed in the completion record")])
+#: a completion record: ``status`` (the ``status`` register's word at
+#: completion), ``tag`` (tag 0..15, ring index 16..31), ``t_start`` /
+#: ``t_done`` (cycle stamps of the start pulse and of done, free-running
+#: 32-bit count since reset), then every counter as ``<name>_lo``, ``<name>_hi``
+CQ_CPL = ("status", "tag", "t_start", "t_done") + tuple(f"{n}_{h}" for n in COUNTERS for h in ("lo", "hi"))
+assert len(CQ_DESC) <= CQ_ENTRY_WORDS and len(CQ_CPL) <= CQ_ENTRY_WORDS
 
 
 def register_map(config: NPUConfig) -> RegisterMap:
@@ -181,6 +200,23 @@ def register_map(config: NPUConfig) -> RegisterMap:
     for name in COUNTERS:
         rm.add(Register(f"cnt_{name}_lo", "ro"))
         rm.add(Register(f"cnt_{name}_hi", "ro"))
+    rm.add(Register("cq_doorbell", "w1p", [Field("tail", 16, 0, "queue index after the last submitted entry"),
+                                           Field("ring", 1, 31, "1: take tail")],
+                    doc="command-ring doorbell (hdl/cmdq.py): entries head..tail-1 are queued"))
+    rm.add(Register("cq_ctl", "w1p", [Field("reset", 1, 0, "head = tail = 0, clears halted and overrun "
+                                                          "(after the running entry completes)")]))
+    rm.add(Register("cq_ptr", "ro", [Field("head", 16, 0, "entries completed"),
+                                     Field("tail", 16, 16, "entries submitted")]))
+    rm.add(Register("cq_status", "ro", [Field("busy", 1, 0, "an entry is queued or runs"),
+                                        Field("halted", 1, 1, "an entry completed with an error: "
+                                                              "the queue stops until cq_ctl.reset"),
+                                        Field("overrun", 1, 2, "a doorbell queued more than CQ_ENTRIES "
+                                                               "(refused)"),
+                                        Field("state", 3, 4, "cmdq.CQState")]))
+    rm.add_window(Window("cq_ring", CQ_ENTRIES * CQ_ENTRY_WORDS, "rw",
+                         doc="descriptors: entry e at words 32*e.. (CQ_DESC order)"))
+    rm.add_window(Window("cq_cpl", CQ_ENTRIES * CQ_ENTRY_WORDS, "ro",
+                         doc="completion records: entry e at words 32*e.. (CQ_CPL order)"))
     return rm
 
 

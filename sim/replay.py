@@ -8,9 +8,10 @@ register writes, start, poll for done, counter reads, O dump).
 wall time, cycles/s, the counters and O.  The cycles/s figure is the limit
 the cocotb path is measured against (``scripts/bench_speed.py``).
 
-The host program uses the cocotb testbench's bus timing and the DRAM answers
-as the cocotb server does without extra delay, so the counters equal those
-of ``run_jobs`` on the same case (``tb/rtl/test_replay.py``).
+The host program is the cocotb testbench's direct job (``submit: "csr"``:
+every job register, then ``ctrl.start``) with its bus timing, and the DRAM
+answers as the cocotb server does without extra delay, so the counters equal
+those of ``run_jobs`` on the same case (``tb/rtl/test_replay.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from flashnpu.hdl.npu import COUNTERS, NPU, NPU_MODULE, npu_verilog, register_ma
 from . import runner
 from .case import AttentionCase
 from .dram_model import DRAMModel
-from .rtl_backend import plan_job
+from .rtl_backend import job_registers, plan_job
 
 __all__ = ["ReplayBuild", "record_job", "build_replay", "run_replay"]
 
@@ -86,7 +87,7 @@ def record_job(case: AttentionCase, config: NPUConfig, folder, timeout: int = 50
     done = rmap["status"].pack(done=1)
     lines = [f"W {rmap['tsv_ctl'].address} {rmap['tsv_ctl'].pack(bist_rd=1, bist_wr=1)}",
              f"P {rmap['tsv_status'].address} {tsv_done} {tsv_done} {TSV_STEP} {200 * TSV_STEP}"]
-    lines += [f"W {rmap[name].address} {int(val) & 0xFFFFFFFF}" for name, val in plan["regs"].items()]
+    lines += [f"W {rmap[name].address} {int(val) & 0xFFFFFFFF}" for name, val in job_registers(plan, scfg).items()]
     lines += [f"W {rmap['irq'].address} 3", "T", f"W {rmap['ctrl'].address} 1",
               f"P {rmap['status'].address} {done} {done} {DONE_STEP} {timeout} job",
               f"R status {rmap['status'].address}"]

@@ -50,6 +50,7 @@ from flashnpu.golden import visible_mask
 from flashnpu.hdl.array import flat_row
 from flashnpu.hdl.mem_common import word_bytes
 from flashnpu.hdl.npu import NPU, NPU_MODULE, NPUError, npu_verilog, register_map, sim_config
+from flashnpu.hdl.npu_map import CQ_ENTRIES, JOB_REGS
 from flashnpu.sim import runner
 from flashnpu.sim.waves import WaveOptions
 
@@ -161,6 +162,18 @@ def plan_job(case, config: NPUConfig, base: int = 0x1000, overrides: dict | None
     return dict(regs=regs, writes=writes, end=addr,
                 o=dict(base=oa, head_stride=ohs, row_stride=ors_, heads=heads, seq_q=seq_q, head_dim=hd),
                 o_extent=(oa, oa + o_bytes))
+
+
+def job_registers(plan: dict, config: NPUConfig, debug: int = 0) -> dict:
+    """Every job register's value (``JOB_REGS``, in that order): the plan's,
+    ``debug``, and the reset value of the rest.  A queued descriptor carries
+    them all and a direct job writes them all, so no job inherits a value an
+    earlier one left."""
+    rmap = register_map(config)
+    regs = {n: rmap[n].reset for n in JOB_REGS}
+    regs.update(plan["regs"])
+    regs["debug"] = int(debug)
+    return regs
 
 
 #: arrays of at least this many PEs get a two-thread Verilator model when a
@@ -276,6 +289,13 @@ def _save_case(path, case):
 def _job_spec(job: dict, tag: str, folder: Path, config: NPUConfig, seed: int) -> dict:
     """Write ``job``'s case into ``folder`` and return the testbench's job spec
     (the contract of ``sim/cocotb_npu.py``, batch and server mode alike)."""
+    if "group" in job:
+        if not 1 <= len(job["group"]) <= CQ_ENTRIES:
+            raise ValueError(f"a queued group holds 1 to {CQ_ENTRIES} jobs (the command ring), "
+                             f"not {len(job['group'])}")
+        members = [_job_spec(mj, f"{tag}_{k}", folder, config, seed + k) for k, mj in enumerate(job["group"])]
+        return dict(group=members, name=job.get("name", f"group{tag}"), ring_reset=bool(job.get("ring_reset")),
+                    keep_state=bool(job.get("keep_state")))
     cp = folder / f"job{tag}.npz"
     _save_case(cp, job["case"])
     resident = None
@@ -291,7 +311,7 @@ def _job_spec(job: dict, tag: str, folder: Path, config: NPUConfig, seed: int) -
                 watchdog=job.get("watchdog"), timeout=job.get("timeout") or _timeout(job["case"], config),
                 name=job.get("name", f"job{tag}"), seed=int(job.get("seed", seed)),
                 tsv_fault=job.get("tsv_fault") or {}, stress=job.get("stress") or {},
-                s_check=job.get("s_check"))
+                s_check=job.get("s_check"), submit=job.get("submit", "queue"))
 
 
 def _build_info(h) -> dict:
@@ -300,7 +320,9 @@ def _build_info(h) -> dict:
                 verilog_bytes=bj.get("verilog_bytes"))
 
 
-def _load_result(spec: dict, build_info: dict) -> dict:
+def _load_result(spec: dict, build_info: dict) -> "dict | list":
+    if "group" in spec:
+        return [_load_result(ms, build_info) for ms in spec["group"]]
     with np.load(spec["out"], allow_pickle=False) as z:
         r = json.loads(str(z["meta_json"]))
         r["o"] = z["o"].copy()
@@ -328,7 +350,14 @@ def run_jobs(jobs, config: NPUConfig, sim: str = "verilator", waves=None, seed: 
     random DRAM response delay within the modelled latency, host idle
     cycles, SRAM stall rate / 16; see ``sim/cocotb_npu.py``), ``s_check``
     (``{"threshold", "flip_mask"}``: the S-tile check, see
-    ``sim/cocotb_npu.py``).  Returns one
+    ``sim/cocotb_npu.py``), ``submit`` (``"queue"``, the default: one
+    descriptor in the command ring and a doorbell; ``"csr"``: the job
+    registers and ``ctrl.start``).  A job ``{"group": [job, ...]}`` queues
+    its members behind one doorbell (``ring_reset``: reset the ring first;
+    ``keep_state``: no power-up, the NPU as the previous job left it); its
+    result is the list of its members' results, each with ``queue`` (index,
+    ``t_start``, ``t_done``) and ``group`` (``irq_edges``, ``cq_ptr``,
+    ``cq_status``, every ring entry's completion record).  Returns one
     dict per job: ``o`` (float32 [heads, seq_q, head_dim]), ``error``
     (NPUError int), ``dma_code``, ``o_untouched`` (bool: the O region still
     holds the sentinel), ``counters`` (dict), ``wall_s`` (seconds from the start command to
@@ -577,9 +606,10 @@ class NPUSession:
             self._thread.join(timeout=60)
             self._fail(f"job {spec['name']} failed in the testbench: {ans.get('error')}")
         res = _load_result(spec, self._build_info)
-        for p in (spec["inputs"], spec["out"], (spec["resident"] or {}).get("writes")):
-            if p:
-                Path(p).unlink(missing_ok=True)
+        for sp in spec.get("group", [spec]):
+            for p in (sp["inputs"], sp["out"], (sp["resident"] or {}).get("writes")):
+                if p:
+                    Path(p).unlink(missing_ok=True)
         self.jobs_done += 1
         return res
 

@@ -266,3 +266,22 @@ def test_resident_jobs_power_up_once_and_again_after_a_failure():
     for case, r in ((a, ra), (b, rb), (a, rc)):
         assert r["error"] == 0
         assert _same_bits(r["o"], flash_attention_hw(case.q, case.k, case.v, config=CFG8, **case.kwargs()).o)
+
+
+def test_head_jobs_of_a_layer_go_as_one_queued_sweep():
+    """job_grouping="head": a layer's per-head jobs go to the NPU together
+    (``run_many``), as queued sweeps of up to 8 behind one doorbell each;
+    tokens and logits equal the golden backend's."""
+    model = tiny_model()
+    ids = prompt(5)
+    cache = CacheConfig(max_prompt_len=8, min_response_len=8)
+    gold = Decoder(model, GoldenTransport(CFG8), cache, job_grouping="head").generate(ids, 2, stop_ids=())
+    hp = model.hparams
+    with RTLTransport(CFG8) as rtl:
+        res = Decoder(model, rtl, cache, job_grouping="head").generate(ids, 2, stop_ids=())
+        requests = rtl.session.jobs_done
+    assert res.tokens == gold.tokens
+    np.testing.assert_array_equal(res.logits, gold.logits)
+    assert res.stats["jobs"] == hp.n_layers * 2 * hp.n_heads
+    assert requests == hp.n_layers * 2 * -(-hp.n_heads // 8)
+    assert rtl.power_ups == requests                  # each sweep from reset, not each job

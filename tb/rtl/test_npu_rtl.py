@@ -150,6 +150,16 @@ def _jobs(cfg):
         s_check=dict(threshold=0, flip_mask=[1, 18, 35]))
     # still fine after the faults
     add("after_faults", random_case(2, 2, 9, 30, 48, True, 12))
+    # the command queue: a direct job (registers, ctrl.start) equals its
+    # queued twin; a sweep of three jobs behind one doorbell; case R2
+    add("csr_gqa", J[[n for n, _, _ in J].index("gqa")][1]["case"], kind="csr", submit="csr")
+    sweep = [dict(case=random_case(2, 1, 12 + 5 * k, 20 + 7 * k, 32, k == 1, 20 + k), name=f"sweep{k}")
+             for k in range(3)]
+    J.append(("sweep", dict(group=sweep, name="sweep"), "group"))
+    r2 = [dict(case=random_case(1, 1, 5 + k, 9 + k, 16, False, 30 + k), name=f"r2_{k}") for k in range(5)]
+    J.append(("r2_first", dict(group=r2, name="r2_first"), "group"))
+    J.append(("r2_recycled", dict(group=[dict(case=random_case(2, 1, 7, 11, 16, True, 36), name="r2_new")],
+                                  name="r2_recycled", ring_reset=True, keep_state=True), "group"))
     return J
 
 
@@ -214,6 +224,57 @@ def test_npu_skips_masked_kv_tiles(results8):
     # 4 heads x 3 q tiles; q tile t sees keys < 16 (t + 1) -> t + 1 kv tiles (of 3)
     assert r["counters"]["q_tiles"] == 12
     assert r["counters"]["kv_tiles"] == 4 * (1 + 2 + 3)
+
+
+def test_npu_direct_job_equals_queued(results8):
+    """The same job programmed register by register and through the command
+    ring: the same O bits and every counter equal except total_cycles, which
+    depends on where the job starts relative to the DRAM's free-running
+    refresh timer (the two start a different number of cycles after reset):
+    it may differ by at most one refresh (tRP + tRFC) per tREFI of the job."""
+    _, _, rq = results8["gqa"]
+    _, _, rc = results8["csr_gqa"]
+    assert "queue" in rq and "queue" not in rc
+    assert _same_bits(rq["o"], rc["o"])
+    cq, cc = dict(rq["counters"]), dict(rc["counters"])
+    tq, tc = cq.pop("total_cycles"), cc.pop("total_cycles")
+    assert cq == cc
+    t = CFG8.dram_timing_cycles()
+    assert abs(tq - tc) <= (t["trp"] + t["trfc"]) * (max(tq, tc) // t["trefi"] + 1)
+
+
+def test_npu_queued_sweep(results8):
+    """Three jobs behind one doorbell: each bit-exact, one interrupt (only
+    the last descriptor asks for it), in ring order one after the other."""
+    job, _, res = results8["sweep"]
+    for mj, r in zip(job["group"], res):
+        _check_exact(mj["name"], mj, r, CFG8)
+    g = res[0]["group"]
+    assert g["irq_edges"] == 1 and g["cq_ptr"]["head"] == g["cq_ptr"]["tail"] == 3
+    q = [r["queue"] for r in res]
+    assert [x["index"] for x in q] == [0, 1, 2]
+    assert all(b["t_start"] > a["t_done"] for a, b in zip(q, q[1:]))
+    for r in res:    # the record's counters are the job's: total_cycles spans start to done
+        assert r["queue"]["t_done"] - r["queue"]["t_start"] >= r["counters"]["total_cycles"] > 0
+
+
+def test_npu_r2_recycled_queue_slot(results8):
+    """Case R2: 5 jobs through the 8-entry ring, then the ring reset on the
+    same memory with their stale descriptors left in entries 0-4, one job
+    submitted and the doorbell rung once: exactly one job runs (one
+    completion record written, one interrupt), with the right output."""
+    first_job, _, first = results8["r2_first"]
+    job, _, (r,) = results8["r2_recycled"]
+    for mj, fr in zip(first_job["group"], first):
+        _check_exact(mj["name"], mj, fr, CFG8)
+    _check_exact("r2_new", job["group"][0], r, CFG8)
+    assert not r["powered_up"]                       # the same NPU, no reset in between
+    g1, g2 = first[0]["group"], r["group"]
+    assert g1["cq_ptr"] == dict(head=5, tail=5) and g2["cq_ptr"] == dict(head=1, tail=1)
+    assert g2["irq_edges"] == 1 and r["queue"]["index"] == 0
+    assert g2["records"][1:5] == g1["records"][1:5]  # no stale entry ran: their records are untouched
+    assert g2["records"][0] != g1["records"][0]
+    assert not g2["cq_status"]["busy"] and not g2["cq_status"]["halted"]
 
 
 @pytest.mark.parametrize("name", ["rej_hd0", "rej_hd129", "rej_seq0", "rej_kv0", "rej_heads",

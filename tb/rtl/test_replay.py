@@ -46,7 +46,9 @@ def test_replay_equals_golden_and_cocotb(case, tmp_path):
     assert res["error"] == 0
     golden = flash_attention_hw(case.q, case.k, case.v, config=CFG, **case.kwargs()).o
     assert_bit_exact(res["o"], golden, "replay O")
-    hooked, python = run_jobs([dict(case=case), dict(case=case, stress=dict(dram_delay=2))], CFG,
+    # the replay programs the job as a direct one: the same host steps
+    hooked, python = run_jobs([dict(case=case, submit="csr"), dict(case=case, stress=dict(dram_delay=2),
+                                                                     submit="csr")], CFG,
                               workdir=tmp_path / "cocotb")
     log = (tmp_path / "cocotb" / "cocotb.log").read_text()
     assert "job0: DRAM served by the simulator" in log and "job1: DRAM served by the Python model" in log
