@@ -156,8 +156,11 @@ def test_r2_recycled_slot_runs_exactly_one_job():
         assert r["status"] >> 8 & 0xFF == NPUError.OK
         assert r["total_cycles_lo"] == 0x1000 * (e + 1) and r["total_cycles_hi"] == 0
         assert r["t_done"] - r["t_start"] == JOB_CYCLES + 1
-    # one job at a time, in order: each start after the previous record
-    assert all(b["t_start"] > a["t_done"] for a, b in zip(rec1, rec1[1:]))
+    # one job at a time, in order: each start after the previous record, the
+    # gap being the record (len(CQ_CPL) + 1 cycles), IDLE, the descriptor
+    # fetch (len(CQ_DESC) + 1) and START: 60 cycles
+    assert all(b["t_start"] - a["t_done"] == len(CQ_CPL) + len(CQ_DESC) + 4 == 60
+               for a, b in zip(rec1, rec1[1:]))
 
 
 def test_overrun_doorbell_is_refused():
