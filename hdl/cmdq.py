@@ -156,13 +156,18 @@ class CommandQueue(wiring.Component):
         ]
         m.d.comb += [getattr(self.job, n).eq(words[k]) for k, n in enumerate(JOB_REGS)]
 
+        # set bits of irq, driven outside the processes below so the
+        # register's unused bits are plain zero wires (as in the controller)
+        irq_done, irq_error, irq_overrun = Signal(), Signal(), Signal()
+        m.d.comb += [self.irq.done.eq(irq_done), self.irq.error.eq(irq_error | irq_overrun)]
+
         # the doorbell: refused when it would queue more than the ring holds
         db_pending = Signal(PTR_BITS)
         m.d.comb += db_pending.eq(self.doorbell.tail - head)
         with m.If(self.doorbell.ring):
             with m.If(db_pending > N):
                 m.d.sync += overrun.eq(1)
-                m.d.comb += self.irq.error.eq(1)
+                m.d.comb += irq_overrun.eq(1)
             with m.Else():
                 m.d.sync += tail.eq(self.doorbell.tail)
         with m.If(self.ctl.reset):
@@ -205,7 +210,5 @@ class CommandQueue(wiring.Component):
                 m.d.sync += i.eq(i + 1)
                 with m.If(i == len(CQ_CPL)):
                     m.d.sync += [state.eq(CQState.IDLE), head.eq(head + 1), halted.eq(err)]
-                    m.d.comb += self.irq.done.eq(flags.irq | err)
-                    with m.If(err):
-                        m.d.comb += self.irq.error.eq(1)
+                    m.d.comb += [irq_done.eq(flags.irq | err), irq_error.eq(err)]
         return m
