@@ -272,7 +272,7 @@ class NPU(wiring.Component):
                                                 Value.cast(csr.port(name, "value"))))
                      for name in JOB_REGS]
         for win, side in (("cq_ring", "ring"), ("cq_cpl", "cpl")):
-            kinds = ("addr", "r_en", "w_en", "w_data") if side == "ring" else ("addr", "r_en")
+            kinds = ("addr", "r_en") + (("w_en", "w_data") if self.regmap.window(win).access == "rw" else ())
             m.d.comb += [getattr(cq, f"{side}__{k}").eq(csr.window_port(win, k)) for k in kinds]
             m.d.comb += csr.window_port(win, "r_data").eq(getattr(cq, f"{side}__r_data"))
         m.d.comb += [cq.doorbell.eq(csr.port("cq_doorbell", "pulse")), cq.ctl.eq(csr.port("cq_ctl", "pulse")),

@@ -295,7 +295,7 @@ def _job_spec(job: dict, tag: str, folder: Path, config: NPUConfig, seed: int) -
                              f"not {len(job['group'])}")
         members = [_job_spec(mj, f"{tag}_{k}", folder, config, seed + k) for k, mj in enumerate(job["group"])]
         return dict(group=members, name=job.get("name", f"group{tag}"), ring_reset=bool(job.get("ring_reset")),
-                    keep_state=bool(job.get("keep_state")))
+                    keep_state=bool(job.get("keep_state")), records=bool(job.get("records")))
     cp = folder / f"job{tag}.npz"
     _save_case(cp, job["case"])
     resident = None
@@ -354,10 +354,11 @@ def run_jobs(jobs, config: NPUConfig, sim: str = "verilator", waves=None, seed: 
     descriptor in the command ring and a doorbell; ``"csr"``: the job
     registers and ``ctrl.start``).  A job ``{"group": [job, ...]}`` queues
     its members behind one doorbell (``ring_reset``: reset the ring first;
-    ``keep_state``: no power-up, the NPU as the previous job left it); its
-    result is the list of its members' results, each with ``queue`` (index,
+    ``keep_state``: no power-up, the NPU as the previous job left it;
+    ``records``: read every ring entry's completion record); its result is
+    the list of its members' results, each with ``queue`` (index,
     ``t_start``, ``t_done``) and ``group`` (``irq_edges``, ``cq_ptr``,
-    ``cq_status``, every ring entry's completion record).  Returns one
+    ``cq_status``, with ``records`` every entry's completion record).  Returns one
     dict per job: ``o`` (float32 [heads, seq_q, head_dim]), ``error``
     (NPUError int), ``dma_code``, ``o_untouched`` (bool: the O region still
     holds the sentinel), ``counters`` (dict), ``wall_s`` (seconds from the start command to

@@ -157,9 +157,9 @@ def _jobs(cfg):
              for k in range(3)]
     J.append(("sweep", dict(group=sweep, name="sweep"), "group"))
     r2 = [dict(case=random_case(1, 1, 5 + k, 9 + k, 16, False, 30 + k), name=f"r2_{k}") for k in range(5)]
-    J.append(("r2_first", dict(group=r2, name="r2_first"), "group"))
+    J.append(("r2_first", dict(group=r2, name="r2_first", records=True), "group"))
     J.append(("r2_recycled", dict(group=[dict(case=random_case(2, 1, 7, 11, 16, True, 36), name="r2_new")],
-                                  name="r2_recycled", ring_reset=True, keep_state=True), "group"))
+                                  name="r2_recycled", ring_reset=True, keep_state=True, records=True), "group"))
     return J
 
 
