@@ -10,19 +10,32 @@ write-back).  A Q/K/V tile of one head is one descriptor in either source
 layout: ``[heads, seq, head_dim]`` has ``src_stride = head_dim*2``,
 ``[seq, heads, head_dim]`` has ``src_stride = heads*head_dim*2``.
 
-Alignment rule (checked, ``MISALIGNED`` otherwise): ``src``, ``dst``,
-``src_stride`` and ``dst_stride`` are multiples of the bus word W (32 B by
-default), and ``bytes_per_row`` is a multiple of 2 (whole FP16 elements).
-Word-aligned rows need no byte rotator in the data path, so every cycle moves a
-full word; a row whose length is not a word multiple ends with a masked
-partial word (only its ``bytes_per_row`` bytes are written).
+Alignment rule (checked, ``MISALIGNED`` otherwise), one of:
+
+* *word-aligned*: ``src``, ``dst``, ``src_stride`` and ``dst_stride`` are
+  multiples of the bus word W (32 B by default), and ``bytes_per_row`` is a
+  multiple of 2 (whole FP16 elements).  Such rows need no byte rotator, so
+  every cycle moves up to a full word per channel; a row whose length is not
+  a word multiple ends with a masked partial word (only its
+  ``bytes_per_row`` bytes are written);
+* *element gather/scatter*: ``bytes_per_row`` is 2, 4, ..., W/2 bytes (a
+  power of two) and ``src``, ``dst`` and both strides are multiples of it
+  (natural alignment), so no row crosses a word on either side.  Each row is
+  one word access with a rotation by whole FP16 elements and a byte mask:
+  one row per cycle.  Gathering 8 FP16 elements at an element stride of 2 is
+  ``rows = 8, bytes_per_row = 2, src_stride = 4, dst_stride = 2``
+  (case M2).
+
+A descriptor that moves nothing (``rows == 0`` or ``bytes_per_row == 0``)
+touches no memory and needs no queue slot: it completes at once with ``OK``
+(case M2), whatever its addresses (it cannot commit a ping-pong half).
 
 Validation happens when the descriptor is submitted, in one cycle (two
 16x32-bit products for the row-end addresses; a timing-driven flow would
 register them, adding a cycle of submit latency); a rejected
 descriptor gets its completion record (``done`` stream: ``tag``, ``code``)
 immediately and writes nothing.  Codes (:class:`DMAError`, the one list):
-queue full, zero rows, zero bytes, misaligned, source or destination outside
+queue full, misaligned, source or destination outside
 the configured region (``*_lo <= addr`` and ``end <= *_hi``), overlapping
 destination rows (``rows > 1`` and ``dst_stride < bytes_per_row``), a
 ping-pong descriptor outside its half or not DRAM -> SRAM, a non-ping-pong
@@ -120,15 +133,13 @@ class DMAError(enum.IntEnum):
     """Completion codes of the DMA (written once; the driver uses this enum)."""
     OK = 0
     QUEUE_FULL = 1     #: the descriptor queue was full: refused
-    ZERO_ROWS = 2      #: rows == 0
-    ZERO_BYTES = 3     #: bytes_per_row == 0
-    MISALIGNED = 4     #: src/dst/strides not W-aligned, or bytes_per_row odd
-    SRC_RANGE = 5      #: source rows reach outside the source region
-    DST_RANGE = 6      #: destination rows reach outside the destination region
-    DST_OVERLAP = 7    #: rows > 1 and dst_stride < bytes_per_row
-    PP_RANGE = 8       #: ping-pong descriptor outside its half, or not DRAM->SRAM
-    PP_WINDOW = 9      #: a non-ping-pong write into the ping-pong window
-    LINK_DOWN = 10     #: the TSV link was not OK when the descriptor started
+    MISALIGNED = 2     #: neither word-aligned nor an aligned element gather (module docstring)
+    SRC_RANGE = 3      #: source rows reach outside the source region
+    DST_RANGE = 4      #: destination rows reach outside the destination region
+    DST_OVERLAP = 5    #: rows > 1 and dst_stride < bytes_per_row
+    PP_RANGE = 6       #: ping-pong descriptor outside its half, or not DRAM->SRAM
+    PP_WINDOW = 7      #: a non-ping-pong write into the ping-pong window
+    LINK_DOWN = 8      #: the TSV link was not OK when the descriptor started
 
 
 ADDR_BITS = 32
@@ -199,7 +210,7 @@ class DMA(wiring.Component):
     bytes_moved : Out(48)      bytes written to the destination (row bytes).
     beats : Out(32)            words written.
     active_cycles : Out(32)    cycles with any descriptor in flight.
-    n_done, n_rejected : Out(32)
+    n_done, n_rejected : Out(32)   completions with ``OK`` (empty ones included) / with an error.
 
     Raises
     ------
@@ -251,8 +262,10 @@ class DMA(wiring.Component):
         W = self.wbytes
         code = Signal(DMAError, name="chk_code")
         low = W - 1
-        misaligned = ((d.src & low) != 0) | ((d.dst & low) != 0) | ((d.src_stride & low) != 0) | \
-                     ((d.dst_stride & low) != 0) | d.bytes_per_row[0]
+        addr_or = d.src | d.dst | d.src_stride | d.dst_stride
+        bpr = d.bytes_per_row
+        gather_ok = (bpr < W) & ((bpr & (bpr - 1)) == 0) & ((addr_or & (bpr - 1)) == 0)
+        misaligned = d.bytes_per_row[0] | (((addr_or & low) != 0) & ~gather_ok)
         rows_m1 = Signal(ROWS_BITS)
         m.d.comb += rows_m1.eq(d.rows - 1)
         src_end = Signal(ADDR_BITS + ROWS_BITS + 2)
@@ -280,10 +293,8 @@ class DMA(wiring.Component):
         ]
         pp_bad = d.pp_en & (~pp_on | ~d2s | (d.dst < half_lo) | (dst_end > half_hi))
         win_bad = ~d.pp_en & d2s & pp_on & (d.dst < pp_end) & (dst_end > self.pp_base)
-        with m.If(d.rows == 0):
-            m.d.comb += code.eq(DMAError.ZERO_ROWS)
-        with m.Elif(d.bytes_per_row == 0):
-            m.d.comb += code.eq(DMAError.ZERO_BYTES)
+        with m.If((d.rows == 0) | (d.bytes_per_row == 0)):
+            m.d.comb += code.eq(DMAError.OK)         # empty: completes at once (``_submit``)
         with m.Elif(misaligned):
             m.d.comb += code.eq(DMAError.MISALIGNED)
         with m.Elif(src_bad):
@@ -324,10 +335,13 @@ class DMA(wiring.Component):
         """One group in flight (``trk`` entry): up to C words of one row,
         SRAM words ``lo .. lo+cnt-1`` of SRAM group ``sgrp``, DRAM words
         ``d .. d+cnt-1``; ``tail``: the group holds the row's last word;
-        ``last``: the descriptor's last group."""
+        ``last``: the descriptor's last group; ``rot``, ``moff``: an element
+        gather's rotation (destination minus source byte offset, mod W) and
+        destination byte offset, 0 otherwise."""
         return data.StructLayout({
             "sgrp": self.sram_addr_bits - self.cbits, "d": self.dram_addr_bits,
             "lo": max(1, self.cbits), "cnt": self.cbits + 1, "tail": 1, "last": 1,
+            "rot": self.wbits, "moff": self.wbits,
         })
 
     def _chq_layout(self):
@@ -375,17 +389,19 @@ class DMA(wiring.Component):
         ws_completing = Signal()        # write side pushes a completion this cycle
         m.d.comb += self.desc.ready.eq(done_q.w_rdy & ~ws_completing)
         submit = self.desc.valid & self.desc.ready
+        empty = (self.desc.payload.rows == 0) | (self.desc.payload.bytes_per_row == 0)
         reject_code = Signal(DMAError)
-        m.d.comb += reject_code.eq(Mux(code != DMAError.OK, code, DMAError.QUEUE_FULL))
-        reject = Signal()
-        m.d.comb += reject.eq(submit & ((code != DMAError.OK) | ~queue.w_rdy))
+        m.d.comb += reject_code.eq(Mux(code != DMAError.OK, code,
+                                       Mux(empty, DMAError.OK, DMAError.QUEUE_FULL)))
+        reject = Signal()               # completes at submit: rejected, or empty (OK)
+        m.d.comb += reject.eq(submit & ((code != DMAError.OK) | empty | ~queue.w_rdy))
         m.d.comb += [
             queue.w_data.eq(self.desc.payload.as_value()),
-            queue.w_en.eq(submit & (code == DMAError.OK)),
+            queue.w_en.eq(submit & (code == DMAError.OK) & ~empty),
         ]
         rej_rec = data.View(completion_layout, Signal(completion_layout.size, name="rej_rec"))
         m.d.comb += [rej_rec.tag.eq(self.desc.payload.tag), rej_rec.code.eq(reject_code)]
-        with m.If(reject):
+        with m.If(reject & (reject_code != DMAError.OK)):
             m.d.sync += self.n_rejected.eq(self.n_rejected + 1)
         return ws_completing, reject, rej_rec
 
@@ -422,9 +438,9 @@ class DMA(wiring.Component):
         head = data.View(descriptor_layout, queue.r_data)
         rg_active = Signal()
         rg_dir = Signal(Direction)
-        s_row = Signal(ADDR_BITS)           # SRAM word address of the row's first word
-        d_row = Signal(ADDR_BITS)           # DRAM word address of the row's first word
-        s_stride = Signal(ADDR_BITS)        # words
+        s_row = Signal(ADDR_BITS)           # SRAM byte address of the row's first byte
+        d_row = Signal(ADDR_BITS)           # DRAM byte address of the row's first byte
+        s_stride = Signal(ADDR_BITS)        # bytes
         d_stride = Signal(ADDR_BITS)
         k = Signal(ADDR_BITS)               # word of the row
         wpr = Signal(ADDR_BITS)             # words per row
@@ -464,10 +480,10 @@ class DMA(wiring.Component):
             with m.If(self.link_ok):
                 m.d.sync += [
                     rg_active.eq(1), rg_dir.eq(head.direction), k.eq(0), row.eq(0),
-                    s_row.eq(Mux(d2s_head, head.dst, head.src) >> wb),
-                    d_row.eq(Mux(d2s_head, head.src, head.dst) >> wb),
-                    s_stride.eq(Mux(d2s_head, head.dst_stride, head.src_stride) >> wb),
-                    d_stride.eq(Mux(d2s_head, head.src_stride, head.dst_stride) >> wb),
+                    s_row.eq(Mux(d2s_head, head.dst, head.src)),
+                    d_row.eq(Mux(d2s_head, head.src, head.dst)),
+                    s_stride.eq(Mux(d2s_head, head.dst_stride, head.src_stride)),
+                    d_stride.eq(Mux(d2s_head, head.src_stride, head.dst_stride)),
                     wpr.eq(Mux(contiguous, head.rows * words_of, words_of)),
                     rows.eq(Mux(contiguous, 1, head.rows)),
                 ]
@@ -482,13 +498,18 @@ class DMA(wiring.Component):
         lo = Signal(max(1, cb))
         rem = Signal(ADDR_BITS)
         cnt = Signal(cb + 1)
-        m.d.comb += [s.eq(s_row + k), d.eq(d_row + k), lo.eq(s[:cb] if cb else 0), rem.eq(wpr - k)]
+        m.d.comb += [s.eq((s_row >> wb) + k), d.eq((d_row >> wb) + k), lo.eq(s[:cb] if cb else 0),
+                     rem.eq(wpr - k)]
         m.d.comb += cnt.eq(Mux(rem < C - lo, rem, C - lo))
         row_end = rem == cnt
         last_row = row == rows - 1
+        # byte offsets in the word: non-zero only in an element gather (one word per row)
+        dst_off = Mux(rg_dir == Direction.DRAM_TO_SRAM, s_row[:wb], d_row[:wb])
+        src_off = Mux(rg_dir == Direction.DRAM_TO_SRAM, d_row[:wb], s_row[:wb])
         g = data.View(self._group_layout(), Signal(self._group_layout().size, name="group"))
         m.d.comb += [g.sgrp.eq(s >> cb), g.d.eq(d), g.lo.eq(lo), g.cnt.eq(cnt), g.tail.eq(row_end),
-                     g.last.eq(row_end & last_row), trk.w_data.eq(g.as_value())]
+                     g.last.eq(row_end & last_row), g.rot.eq(dst_off - src_off), g.moff.eq(dst_off),
+                     trk.w_data.eq(g.as_value())]
 
         fire = Signal()
         with m.If(rg_dir == Direction.DRAM_TO_SRAM):
@@ -535,6 +556,14 @@ class DMA(wiring.Component):
         rot = Signal(max(1, cb))
         m.d.comb += rot.eq(g.d - g.lo)
         ones = Const((1 << W) - 1, W)
+        tmask = Signal(W)           # the row's last word's byte mask, at the gather's offset
+        m.d.comb += tmask.eq(cur.tail_mask << g.moff)
+
+        def rotated(word, name):
+            """``word`` rotated up by ``g.rot`` bytes (whole FP16 elements)."""
+            w = Signal(8 * W, name=name)
+            m.d.comb += w.eq(word)
+            return Array(w.rotate_left(16 * i) for i in range(W // 2))[g.rot >> 1]
         fire = Signal()
         ok = ws_q.r_rdy & ~ws_done & trk.r_rdy
         # channel c carries word i = (c - d) % C of the group
@@ -550,12 +579,14 @@ class DMA(wiring.Component):
             wdata = []
             wmask = []
             rdata = Array(self.dram[c].rdata.payload for c in range(C))
+            gathered = Signal(8 * W)        # an element gather's one word (lane lo)
+            m.d.comb += gathered.eq(rotated(rdata[g.d & (C - 1)], "gather_in"))
             for j in range(C):
                 # (lane j >= lo is always true for the last lane)
                 act = ((j >= g.lo) if j < C - 1 else 1) & (j < g.lo + g.cnt)
                 lastw = g.tail & (j == g.lo + g.cnt - 1)
-                wdata.append(rdata[(j + rot) & (C - 1)])
-                wmask.append(Mux(act, Mux(lastw, cur.tail_mask, ones), 0))
+                wdata.append(Mux(g.rot != 0, gathered, rdata[(j + rot) & (C - 1)]))
+                wmask.append(Mux(act, Mux(lastw, tmask, ones), 0))
             m.d.comb += [
                 self.sram.req.valid.eq(ok & have),
                 self.sram.req.payload.addr.eq(g.sgrp),
@@ -571,11 +602,13 @@ class DMA(wiring.Component):
             m.d.comb += [fire.eq(ok & self.sram.rdata.valid & room), self.sram.rdata.ready.eq(fire)]
             lanes = [self.sram.rdata.payload[8 * W * j:8 * W * (j + 1)] for j in range(C)]
             lane_of = Array(lanes)
+            scattered = Signal(8 * W)       # an element scatter's one word (from lane lo)
+            m.d.comb += scattered.eq(rotated(lane_of[g.lo], "scatter_in"))
             for c, (i, n) in enumerate(need):
                 e = data.View(self._chq_layout(), Signal(self._chq_layout().size, name=f"ws_acc{c}"))
                 m.d.comb += [e.addr.eq(g.d + i), e.write.eq(1),
-                             e.wmask.eq(Mux(g.tail & (i == g.cnt - 1), cur.tail_mask, ones)),
-                             e.wdata.eq(lane_of[(g.lo + i) & (C - 1)])]
+                             e.wmask.eq(Mux(g.tail & (i == g.cnt - 1), tmask, ones)),
+                             e.wdata.eq(Mux(g.rot != 0, scattered, lane_of[(g.lo + i) & (C - 1)]))]
                 with m.If(fire & n):
                     m.d.comb += [chq[c].w_en.eq(1), chq[c].w_data.eq(e.as_value())]
         m.d.comb += trk.r_en.eq(fire)
@@ -605,6 +638,8 @@ class DMA(wiring.Component):
                                   clr_pend.eq(Mux(cur.pp_half, 0b10, 0b01))]
         with m.Elif(reject):
             m.d.comb += [done_q.w_en.eq(1), done_q.w_data.eq(rej_rec.as_value())]
+            with m.If(rej_rec.code == DMAError.OK):     # an empty descriptor
+                m.d.sync += self.n_done.eq(self.n_done + 1)
 
 
 class MemorySystem(wiring.Component):

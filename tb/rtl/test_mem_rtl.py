@@ -29,7 +29,7 @@ def _seed():
 
 @pytest.mark.rtl
 @pytest.mark.parametrize("testcase", [
-    "qkv_tiles_ping_pong", "o_write_back", "rejected_descriptors_write_nothing",
+    "qkv_tiles_ping_pong", "o_write_back", "rejected_descriptors_write_nothing", "degenerate_descriptors",
     "tsv_faults_repaired", "tsv_faults_unrepairable", "bank_conflict_patterns", "queue_overflow_refused",
 ])
 def test_memory_system_verilator(memsys, testcase):

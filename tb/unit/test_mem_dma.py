@@ -5,6 +5,7 @@ random 2-D descriptors.  Every byte is compared with ``copy2d``."""
 
 import random
 
+import numpy as np
 import pytest
 from amaranth.sim import Simulator
 
@@ -198,12 +199,12 @@ def test_partial_words_strides_and_writeback():
 
 REJECTS = [
     # (name, descriptor fields, expected code)
-    ("zero rows", dict(src=0x2000, dst=0, rows=0, bpr=16, src_stride=16, dst_stride=16), DMAError.ZERO_ROWS),
-    ("zero bytes", dict(src=0x2000, dst=0, rows=2, bpr=0, src_stride=16, dst_stride=16), DMAError.ZERO_BYTES),
     ("src misaligned", dict(src=0x2002, dst=0, rows=2, bpr=16, src_stride=16, dst_stride=16), DMAError.MISALIGNED),
     ("dst misaligned", dict(src=0x2000, dst=2, rows=2, bpr=16, src_stride=16, dst_stride=16), DMAError.MISALIGNED),
     ("stride misaligned", dict(src=0x2000, dst=0, rows=2, bpr=16, src_stride=18, dst_stride=16), DMAError.MISALIGNED),
     ("odd bytes", dict(src=0x2000, dst=0, rows=2, bpr=15, src_stride=16, dst_stride=16), DMAError.MISALIGNED),
+    ("gather odd address", dict(src=0x2001, dst=0, rows=4, bpr=2, src_stride=4, dst_stride=2), DMAError.MISALIGNED),
+    ("gather odd stride", dict(src=0x2000, dst=0, rows=4, bpr=2, src_stride=3, dst_stride=2), DMAError.MISALIGNED),
     ("src past end", dict(src=CFG.dram_bytes - 32, dst=0, rows=3, bpr=16, src_stride=16, dst_stride=16),
      DMAError.SRC_RANGE),
     ("src huge stride", dict(src=0x2000, dst=0, rows=2, bpr=16, src_stride=1 << 30, dst_stride=16),
@@ -248,6 +249,51 @@ def test_every_rejection_writes_nothing():
         assert ctx.get(b.dut.dram_wr_bytes) == 0
         await b.check_sram(ctx)
         b.check_dram(0, 0x3000)
+
+    b.run(main)
+
+
+def test_m2_empty_descriptor_and_element_gather():
+    """Case M2: a descriptor with 0 rows (and one with 0 bytes per row)
+    completes at once with OK, moves 0 bytes and leaves the canary pattern in
+    SRAM; the next descriptor runs normally.  A gather of 8 FP16 elements at
+    an element stride of 2 (rows of 2 bytes, source stride 4) reads elements
+    0, 2, ..., 14; the scatter back (SRAM -> DRAM, destination stride 6)
+    puts them at every third element."""
+    b = Bench(seed=21, model_delay=3)
+    elems = np.arange(64, dtype=np.float16)
+    b.fill_dram(0x2000, elems.tobytes())
+    b.fill_dram(0x3000, bytes(64))
+
+    async def main(ctx):
+        await b.setup(ctx)
+        await b.fill_sram(ctx, 0, b"\xa5" * 1024)                  # canary
+        await b.submit(ctx, 0, 0x2000, 0x40, 0, 16, 16, 16)
+        cycles = 0
+        while not b.done and cycles < 8:
+            await ctx.tick()
+            cycles += 1
+        assert b.done == [(0, DMAError.OK)] and cycles <= 3, (b.done, cycles)
+        await b.submit(ctx, 1, 0x2000, 0x40, 4, 0, 16, 16)
+        await b.wait_done(ctx, 2)
+        assert ctx.get(b.dut.dma_bytes_moved) == 0 and ctx.get(b.dut.sram_wr_bytes) == 0
+        await b.check_sram(ctx, 0, 1024)                           # canary intact
+        await b.submit(ctx, 2, 0x2000, 0x80, 4, 16, 16, 16)        # the next one runs normally
+        await b.submit(ctx, 3, 0x2000, 0x100, 8, 2, 4, 2)           # the gather
+        await b.wait_done(ctx, 4)
+        got = np.frombuffer(await b.read_sram(ctx, 0x100, 16), np.float16)
+        assert got.tolist() == list(range(0, 16, 2)), got
+        await b.submit(ctx, 4, 0x100, 0x3000, 8, 2, 2, 6, Direction.SRAM_TO_DRAM)
+        await b.wait_done(ctx, 5)
+        for _ in range(10):
+            await ctx.tick()
+        await b.check_sram(ctx, 0, 1024)
+        b.check_dram(0x2000, 0x3040)
+        back = np.frombuffer(b.model.read(0x3000, 48), np.float16)
+        assert back[::3].tolist() == list(range(0, 16, 2)) and not back.reshape(-1, 3)[:, 1:].any()
+        assert [c for _, c in b.done] == [DMAError.OK] * 5
+        assert ctx.get(b.dut.dma_n_done) == 5 and ctx.get(b.dut.dma_n_rejected) == 0
+        assert ctx.get(b.dut.dma_bytes_moved) == 4 * 16 + 2 * 8 * 2
 
     b.run(main)
 
@@ -340,7 +386,8 @@ def test_link_faults(faults, channels, ok):
 def test_random_descriptors_byte_exact(seed):
     """Random 2-D descriptors both ways (any word-aligned offsets, so the DRAM
     words of a group start at any channel; partial tail words; strides with
-    gaps; contiguous rows), random idle, back-pressure and model delay: every
+    gaps; contiguous rows; element gathers and scatters at any element
+    offset and stride), random idle, back-pressure and model delay: every
     byte of SRAM and DRAM equals ``copy2d``."""
     b = Bench(seed=seed, done_bp=0.3, desc_idle=0.3, model_delay=3)
     r = b.rng
@@ -350,11 +397,25 @@ def test_random_descriptors_byte_exact(seed):
         await b.setup(ctx)
         await b.fill_sram(ctx, 0, _rand(r, 1024))
         n = 0
-        for _ in range(14):
+        for _ in range(18):
             await b.wait_done(ctx, n - 3)                 # at most queue_depth outstanding
             bpr = 2 * r.randint(1, 3 * W)
             rows = r.randint(1, 6)
             span = lambda stride: (rows - 1) * stride + bpr
+            gather = r.random() < 0.25
+            if gather:                                    # element gather/scatter, any element offset
+                bpr = 2
+                s_stride, d_stride = 2 * r.randint(1, 5), 2 * r.randint(1, 5)
+                if r.random() < 0.5:
+                    src = 0x1000 + 2 * r.randint(0, (0x1000 - span(s_stride)) // 2)
+                    dst = 2 * r.randint(0, (1024 - span(d_stride)) // 2)
+                    await b.submit(ctx, n, src, dst, rows, bpr, s_stride, d_stride)
+                else:
+                    src = 2 * r.randint(0, (1024 - span(s_stride)) // 2)
+                    dst = 0x2000 + 2 * r.randint(0, (0x1000 - span(d_stride)) // 2)
+                    await b.submit(ctx, n, src, dst, rows, bpr, s_stride, d_stride, Direction.SRAM_TO_DRAM)
+                n += 1
+                continue
             if r.random() < 0.3:
                 s_stride = d_stride = bpr + (-bpr) % W          # rows back to back
             else:
