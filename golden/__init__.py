@@ -7,11 +7,11 @@ imports none of them.
 """
 
 from .compare import ComparisonError, assert_bit_exact, error_stats, tolerance_check
-from .flash import GoldenResult, TileCheckpoint, flash_attention_hw, op_counts
+from .flash import GoldenResult, Partial, TileCheckpoint, flash_attention_hw, merge_partials, op_counts
 from .reference import check_shapes, plain_fp16_attention, reference_attention, visible_mask
 
 __all__ = [
     "ComparisonError", "assert_bit_exact", "error_stats", "tolerance_check",
-    "GoldenResult", "TileCheckpoint", "flash_attention_hw", "op_counts",
+    "GoldenResult", "Partial", "TileCheckpoint", "flash_attention_hw", "merge_partials", "op_counts",
     "check_shapes", "plain_fp16_attention", "reference_attention", "visible_mask",
 ]

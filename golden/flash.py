@@ -23,6 +23,22 @@ the kv-tile boundaries (multiples of Bc from key 0) and the PE-column
 grouping of the reductions matter.  A kv tile that hides every key of a row
 leaves that row's (m_i, l_i, O_acc) unchanged bit for bit, so the
 controller may skip fully masked tiles.
+
+Split-K (``kv_splits = G``, the decode dataflow of ``docs/npu.md``): the kv
+tiles are cut into G contiguous ranges of ceil(n_kv / G) tiles (trailing
+ranges may be empty); each range runs the loop above from the empty state
+(m = -inf, l = 0, O_acc = 0) into a :class:`Partial`, and the partials are
+merged left to right, split 0 first (``merge_partials``)::
+
+    m     = max32(m_a, m_b)                       -inf: both empty -> (0, -inf, 0)
+    a_x   = exp2(m_x - m)                         0 for an empty x
+    l     = add32(mul32(a_a, l_a), mul32(a_b, l_b))
+    O_acc = add32(mul32(a_a, O_a), mul32(a_b, O_b))
+
+before the one normalisation O = mul32(O_acc, recip32(l)).  The merge
+order is part of the specification: a split job is bit-exact against this
+model.  Against the unsplit model it differs by rounding only (each split
+rounds its P to FP16 against its own running max), not bit for bit.
 """
 
 from __future__ import annotations
@@ -37,7 +53,7 @@ from flashnpu.config import DEFAULT, NPUConfig
 from . import numerics as nx
 from .reference import _expand_kv, check_shapes, visible_mask
 
-__all__ = ["TileCheckpoint", "GoldenResult", "flash_attention_hw", "op_counts"]
+__all__ = ["TileCheckpoint", "GoldenResult", "Partial", "merge_partials", "flash_attention_hw", "op_counts"]
 
 
 @dataclass
@@ -64,6 +80,65 @@ class TileCheckpoint:
 
 
 @dataclass
+class Partial:
+    """Unnormalised attention state of query rows over some of the keys:
+    m [heads, seq_q] float32 running max (log2 units of the scaled scores,
+    -inf: no visible key yet), l [heads, seq_q] float32 running sum,
+    o_acc [heads, seq_q, head_dim] float32.  ``Partial.empty`` is the state
+    before any key."""
+
+    m: np.ndarray
+    l: np.ndarray
+    o_acc: np.ndarray
+
+    @classmethod
+    def empty(cls, heads: int, seq_q: int, head_dim: int) -> "Partial":
+        return cls(np.full((heads, seq_q), -np.inf, np.float32), np.zeros((heads, seq_q), np.float32),
+                   np.zeros((heads, seq_q, head_dim), np.float32))
+
+    def output(self) -> np.ndarray:
+        """O = mul32(O_acc, recip32(l)), 0 where l = 0: float32 [heads, seq_q, head_dim]."""
+        r = nx.recip32(self.l)
+        with np.errstate(invalid="ignore"):
+            return np.where((self.l == 0)[..., None], np.float32(0),
+                            nx.mul32(self.o_acc, r[..., None])).astype(np.float32)
+
+    def lse(self) -> np.ndarray:
+        """Natural-log log-sum-exp of the rows' visible scaled scores,
+        float64 [heads, seq_q]: m ln 2 + ln l; -inf for a row with no
+        visible key (never +inf or NaN)."""
+        m = self.m.astype(np.float64)
+        l64 = self.l.astype(np.float64)
+        out = np.full(m.shape, -np.inf)
+        ok = l64 > 0
+        out[ok] = m[ok] * math.log(2.0) + np.log(l64[ok])
+        return out
+
+
+def merge_partials(a: Partial, b: Partial) -> Partial:
+    """Merge two partials over disjoint key ranges (module docstring), in
+    the FP32 arithmetic of ``numerics``.  Two empty rows merge to exactly
+    (O_acc = 0, m = -inf, l = 0); an empty side contributes exactly 0, so
+    merging with an empty partial leaves m and l bit for bit.
+
+    Raises ValueError when the shapes differ."""
+    if a.o_acc.shape != b.o_acc.shape or a.m.shape != b.m.shape:
+        raise ValueError(f"partials of different shapes: {a.o_acc.shape} and {b.o_acc.shape}")
+    m = nx.max32(a.m, b.m)
+    empty = np.isneginf(m)
+
+    def weight(mx):
+        with np.errstate(invalid="ignore"):
+            return np.where(np.isneginf(mx), np.float32(0), nx.exp2(nx.sub32(mx, m))).astype(np.float32)
+    wa, wb = weight(a.m), weight(b.m)
+    l_new = nx.add32(nx.mul32(wa, a.l), nx.mul32(wb, b.l))
+    o_new = nx.add32(nx.mul32(wa[..., None], a.o_acc), nx.mul32(wb[..., None], b.o_acc))
+    return Partial(np.where(empty, np.float32(-np.inf), m).astype(np.float32),
+                   np.where(empty, np.float32(0), l_new).astype(np.float32),
+                   np.where(empty[..., None], np.float32(0), o_new).astype(np.float32))
+
+
+@dataclass
 class GoldenResult:
     """Output of ``flash_attention_hw``.
 
@@ -71,6 +146,7 @@ class GoldenResult:
     m_i, l_i : float32 [heads, seq_q] final running max (log2 domain) and sum
     checkpoints : list of TileCheckpoint, one per kv tile (empty unless asked)
     stats : dict of op counts (see ``op_counts``)
+    partials : list of Partial, one per kv split (empty for an unsplit job)
     """
 
     o: np.ndarray
@@ -78,6 +154,11 @@ class GoldenResult:
     l_i: np.ndarray
     checkpoints: list = field(default_factory=list)
     stats: dict = field(default_factory=dict)
+    partials: list = field(default_factory=list)
+
+    def lse(self) -> np.ndarray:
+        """Natural-log log-sum-exp per row, float64 [heads, seq_q] (``Partial.lse``)."""
+        return Partial(self.m_i, self.l_i, np.zeros(self.m_i.shape + (0,), np.float32)).lse()
 
 
 def op_counts(heads, seq_q, seq_kv, head_dim, config: NPUConfig = DEFAULT) -> dict:
@@ -96,7 +177,7 @@ def op_counts(heads, seq_q, seq_kv, head_dim, config: NPUConfig = DEFAULT) -> di
 
 
 def flash_attention_hw(q, k, v, causal=False, mask=None, kv_valid_len=None, scale=None,
-                       config: NPUConfig = DEFAULT, checkpoints=False) -> GoldenResult:
+                       config: NPUConfig = DEFAULT, checkpoints=False, kv_splits: int = 1) -> GoldenResult:
     """Run the bit-exact FlashAttention model.
 
     Parameters
@@ -108,7 +189,10 @@ def flash_attention_hw(q, k, v, causal=False, mask=None, kv_valid_len=None, scal
     kv_valid_len : int, optional; keys at or beyond it are invisible
     scale : float, optional, default 1/sqrt(head_dim)
     config : NPUConfig; uses ``bc``, ``array_cols`` and ``max_head_dim``
-    checkpoints : bool; keep a ``TileCheckpoint`` per kv tile
+    checkpoints : bool; keep a ``TileCheckpoint`` per kv tile (within a
+        split, the split's own running state)
+    kv_splits : int >= 1; split-K over this many contiguous kv-tile ranges,
+        merged left to right (module docstring)
 
     Returns
     -------
@@ -118,8 +202,11 @@ def flash_attention_hw(q, k, v, causal=False, mask=None, kv_valid_len=None, scal
     ------
     ValueError
         for inputs that are not float16, bad shapes, head_dim outside
-        1..max_head_dim, or a scale outside ``numerics.scale_range(head_dim)``.
+        1..max_head_dim, a scale outside ``numerics.scale_range(head_dim)``,
+        or kv_splits < 1.
     """
+    if isinstance(kv_splits, bool) or not isinstance(kv_splits, (int, np.integer)) or kv_splits < 1:
+        raise ValueError(f"kv_splits must be an int >= 1, not {kv_splits!r}")
     for name, a in (("q", q), ("k", k), ("v", v)):
         if np.asarray(a).dtype != np.float16:
             raise ValueError(f"{name} must be float16, not {np.asarray(a).dtype}")
@@ -139,12 +226,27 @@ def flash_attention_hw(q, k, v, causal=False, mask=None, kv_valid_len=None, scal
     vx = np.concatenate([vx, np.zeros((heads, pad, d), np.float16)], axis=1)
     vis = np.concatenate([vis, np.zeros((heads, seq_q, pad), bool)], axis=2)
 
+    cps = []
+    q32 = q16.astype(np.float32)
+    per = -(-n_kv // kv_splits)
+    parts = [_tile_loop(q32, kx, vx, vis, c, cols, bc, range(s * per, min((s + 1) * per, n_kv)),
+                        cps if checkpoints else None) for s in range(kv_splits)]
+    total = parts[0]
+    for p in parts[1:]:
+        total = merge_partials(total, p)
+    stats = op_counts(heads, seq_q, seq_kv, d, config)
+    return GoldenResult(o=total.output(), m_i=total.m, l_i=total.l, checkpoints=cps, stats=stats,
+                        partials=parts if kv_splits > 1 else [])
+
+
+def _tile_loop(q32, kx, vx, vis, c, cols, bc, tiles, cps) -> Partial:
+    """The tile loop of the module docstring over kv tiles ``tiles`` from the
+    empty state; appends a TileCheckpoint per tile to ``cps`` unless None."""
+    heads, seq_q, d = q32.shape
     m_i = np.full((heads, seq_q), -np.inf, np.float32)
     l_i = np.zeros((heads, seq_q), np.float32)
     o_acc = np.zeros((heads, seq_q, d), np.float32)
-    cps = []
-    q32 = q16.astype(np.float32)
-    for j in range(n_kv):
+    for j in tiles:
         ks = slice(j * bc, (j + 1) * bc)
         kt = kx[:, ks].astype(np.float32)           # [h, Bc, d]
         vt = vx[:, ks]                              # [h, Bc, d] float16
@@ -169,11 +271,6 @@ def flash_attention_hw(q, k, v, causal=False, mask=None, kv_valid_len=None, scal
             upd = nx.mac(o_acc, pk[..., None], vt[:, None, kk, :])
             o_acc = np.where((pk != 0)[..., None], upd, o_acc)
         m_i = m_new
-        if checkpoints:
+        if cps is not None:
             cps.append(TileCheckpoint(j, s_raw, s, p16, m_i.copy(), l_i.copy(), o_acc.copy()))
-
-    r = nx.recip32(l_i)
-    with np.errstate(invalid="ignore"):
-        o = np.where((l_i == 0)[..., None], np.float32(0), nx.mul32(o_acc, r[..., None])).astype(np.float32)
-    stats = op_counts(heads, seq_q, seq_kv, d, config)
-    return GoldenResult(o=o, m_i=m_i, l_i=l_i, checkpoints=cps, stats=stats)
+    return Partial(m_i, l_i, o_acc)

@@ -12,7 +12,9 @@ from flashnpu.golden import (
     ComparisonError,
     assert_bit_exact,
     error_stats,
+    Partial,
     flash_attention_hw,
+    merge_partials,
     plain_fp16_attention,
     reference_attention,
     tolerance_check,
@@ -179,6 +181,72 @@ def test_checkpoints_agree_with_the_output():
     assert_bit_exact(nx.mul32(last.O_acc, nx.recip32(last.l_i)[..., None]), res.o)
     assert last.P.dtype == np.float16 and last.S.shape == (1, 20, cfg.bc)
     assert np.isneginf(last.S[0, :, 130 - 16 * 8:]).all()   # padding keys of the last tile
+
+
+def _ref_lse(q, k, v, kv_valid_len):
+    """float64 natural-log log-sum-exp of the visible scaled scores [heads, seq_q]."""
+    g = q.shape[0] // k.shape[0]
+    kx = np.repeat(k.astype(np.float64), g, axis=0)[:, :kv_valid_len]
+    s = np.einsum("hqd,hkd->hqk", q.astype(np.float64), kx) / math.sqrt(q.shape[-1])
+    mx = s.max(-1, keepdims=True)
+    return (mx + np.log(np.exp(s - mx).sum(-1, keepdims=True)))[..., 0]
+
+
+def test_r1_split_k_with_empty_splits():
+    """Case R1: split-K decode over 64 keys in 4 splits of 16 (Bc = 16 on the
+    8x8 array), keys 32..63 masked so the last two splits hold only masked
+    keys.  Output and log-sum-exp equal unsplit attention (the project's
+    tolerance rule against the float64 reference; the unsplit golden within
+    the FP16 rounding of P), no NaN; the
+    empty splits are exactly (O_acc = 0, m = -inf, l = 0) with lse -inf,
+    merging two of them gives exactly that again, and merging a partial
+    with an empty one leaves its m and l bit for bit."""
+    cfg = small_config(8, 8)
+    assert cfg.bc == 16
+    q, k, v = rnd(90, 3, 1, 16), rnd(91, 1, 64, 16), rnd(92, 1, 64, 16)
+    split = flash_attention_hw(q, k, v, kv_valid_len=32, config=cfg, kv_splits=4)
+    whole = flash_attention_hw(q, k, v, kv_valid_len=32, config=cfg)
+    assert len(split.partials) == 4 and not whole.partials
+    assert not np.isnan(split.o).any() and not np.isnan(split.lse()).any()
+    # P is rounded to FP16 against each split's own running max, so split and
+    # unsplit differ at that rounding, not bit for bit
+    assert np.abs(split.o - whole.o).max() < 1e-3
+    assert np.abs(split.lse() - whole.lse()).max() < 1e-3
+    ok, msg, _, _ = tolerance_check(split.o, plain_fp16_attention(q, k, v, kv_valid_len=32),
+                                    reference_attention(q, k, v, kv_valid_len=32))
+    assert ok, msg
+    assert np.abs(split.lse() - _ref_lse(q, k, v, 32)).max() < 1e-3
+    for p in split.partials[2:]:
+        assert np.isneginf(p.m).all() and (p.l == 0).all() and (p.o_acc == 0).all()
+        assert np.isneginf(p.lse()).all()                       # never +inf
+    both_empty = merge_partials(split.partials[2], split.partials[3])
+    assert np.isneginf(both_empty.m).all() and (both_empty.l == 0).all() and (both_empty.o_acc == 0).all()
+    assert np.isneginf(both_empty.lse()).all() and (both_empty.output() == 0).all()
+    first = split.partials[0]
+    kept = merge_partials(first, split.partials[2])
+    assert_bit_exact(kept.m, first.m) is None and assert_bit_exact(kept.l, first.l) is None
+    assert (kept.o_acc == first.o_acc).all()
+    # the split result is the left fold of its partials, bit for bit
+    fold = merge_partials(merge_partials(merge_partials(*split.partials[:2]), split.partials[2]),
+                          split.partials[3])
+    assert_bit_exact(fold.output(), split.o)
+    assert_bit_exact(flash_attention_hw(q, k, v, kv_valid_len=32, config=cfg, kv_splits=1).o, whole.o)
+
+
+def test_split_k_more_splits_than_tiles_and_bad_count():
+    """Splits beyond the kv tiles are empty and change nothing; kv_splits < 1
+    is refused with its value named."""
+    cfg = small_config(4, 4)
+    q, k, v = rnd(93, 2, 5, 16), rnd(94, 2, 20, 16), rnd(95, 2, 20, 16)
+    whole = flash_attention_hw(q, k, v, causal=True, config=cfg)
+    many = flash_attention_hw(q, k, v, causal=True, config=cfg, kv_splits=5)   # 3 tiles of 8 keys
+    assert np.isneginf(many.partials[-1].m).all()
+    assert np.abs(many.o - whole.o).max() < 1e-3 and not np.isnan(many.o).any()
+    empty = Partial.empty(2, 5, 16)
+    assert (merge_partials(empty, empty).output() == 0).all()
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="kv_splits"):
+            flash_attention_hw(q, k, v, config=cfg, kv_splits=bad)
 
 
 def test_array_width_changes_only_the_reduction_order():
