@@ -5,8 +5,10 @@ Design trade-off
 ----------------
 Phases run one after the other on the whole array (S = Q.K^T, softmax,
 O += P.V), which keeps one control word per cycle for all PEs.  The MAC
-phases cost head_dim*wr*wc and Bc*wr*od cycles (512 + 512 at head_dim 128 on
-the default 32 x 32 array); the PE's MAC is pipelined (``pe.OP_TIMING``), so
+phases cost head_dim*wr*wc and keys*wr*od cycles (512 + 512 at head_dim 128
+on the default 32 x 32 array), where keys runs to the tile's last key that
+a valid row of the q tile can see (Bc for a full tile; the keys after it
+are masked for every row, so the P.V rounds stop there); the PE's MAC is pipelined (``pe.OP_TIMING``), so
 each k round must touch at least ``MAC_RECURRENCE`` (4) accumulators and a
 round with fewer (wr*od < 4 at small head_dim) is followed by bubbles
 (``gap_s``, ``gap_pv_cycles``).  The softmax between them is a statically
@@ -522,6 +524,20 @@ class Core(wiring.Component):
         gap_pv = Signal.like(gap)
         m.d.comb += gap_pv.eq(Array([Const(gap_pv_cycles(cfg, o), gap.shape())
                                      for o in range(odm + 1)])[od])
+        # P.V stops after the tile's last key that a valid row of the q tile
+        # can see: min(Bc, E), under causal also min(F, Br) - D (the last
+        # valid row's limit), at least one key.  Every later key has P = 0 on
+        # every row, so its rounds could not change a bit.  Two
+        # register stages from D, E and F, which stay put through the S phase
+        # and the softmax before every P.V.
+        pv_e = Signal(signed(LEN_BITS + 4))
+        pv_c = Signal(signed(LEN_BITS + 4))
+        m.d.sync += [pv_e.eq(Mux(vis_e < Bc, vis_e, Bc)),
+                     pv_c.eq(Mux(vis_f < cfg.br, vis_f, cfg.br) - vis_d)]
+        pv_n = Signal(signed(LEN_BITS + 4))
+        m.d.comb += pv_n.eq(Mux(cmd.causal & (pv_c < pv_e), pv_c, pv_e))
+        pv_last = Signal(range(Bc))             # the last P.V key of this tile
+        m.d.sync += pv_last.eq(Mux(pv_n < 1, 0, pv_n - 1))
 
         # return-register scoreboard: a word with ``wait`` stalls until the
         # result it reads (tag ``ret_sel``) has arrived.  A result that is
@@ -542,6 +558,7 @@ class Core(wiring.Component):
             iss=iss, iss_a=iss_a, iss_b=iss_b, iss_k=iss_k, iss_n=iss_n, iss_kc=iss_kc,
             sa_pv=sa_pv, use_pv_sa=use_pv_sa, o_r=o_r, o_a=o_a, o_n=o_n, primed=primed,
             enter_s=enter_s, accept=accept, ready_now=ready_now, clear=clear, gap=gap, gap_pv=gap_pv,
+            pv_last=pv_last,
             quiet=s_quiet, ctl_op=ctl_op)
         self._phase_fsm(m, s)
 
@@ -683,7 +700,7 @@ class Core(wiring.Component):
                                  s.sa_pv.eq(a * wc + kb), s.use_pv_sa.eq(1)]
                     last_n = n == s.od - 1
                     last_a = a == wr - 1
-                    last_k = k == Bc - 1
+                    last_k = k == s.pv_last
                     m.d.sync += n.eq(Mux(last_n, 0, n + 1))
                     with m.If(last_n):
                         m.d.sync += a.eq(Mux(last_a, 0, a + 1))

@@ -13,7 +13,8 @@ holding a wr x wc block of S and a wr x od block of O_acc, od = ceil(d / C))::
       └──TSV── SRAM ◄── O (once per q tile) ◄───────────────────────── O_acc in
                                                                          registers
     per q tile : init (m, l, O_acc)                                 [core INIT]
-    per pair   : S phase d·wr·wc + softmax program + PV Bc·wr·od    [S, SM, PV]
+    per pair   : S phase d·wr·wc + softmax program + PV keys·wr·od  [S, SM, PV]
+                 (keys: up to the tile's last key a valid row sees, <= Bc)
     per q tile : final (reciprocal, O = O_acc/l) + read-out Br·od+1 [FINAL, OUT]
     plus the cycles the core waits for a tile buffer (DMA stall)    [WAIT_*]
 
@@ -45,8 +46,9 @@ Every ASSUMPTION is marked where it is made.  The main ones:
 * a q tile always costs a full tile of cycles, however few of its rows are
   valid (decode: 3 valid rows of 64 still take a full tile);
 * padding keys and rows are neither fetched from DRAM nor read from SRAM
-  (masked keys never touch the result), but their MAC and exp2 slots are
-  executed and counted;
+  (masked keys never touch the result), but their Q·Kᵀ MAC and exp2 slots
+  are executed and counted; P·V stops after the tile's last key that a
+  valid row sees (the core's rule), so its slots run only up to there;
 * O is written back as FP32 (the core streams binary32 O);
 * the NPU's schedule (``hdl/npu.py``): K/V resident in SRAM slots when
   ceil(seq_kv / Bc) <= ``config.kv_slots`` (each kv tile fetched once per KV head,
@@ -520,7 +522,7 @@ def _mapping(job: Job, config: NPUConfig, stack_decode: bool):
 
 
 @functools.lru_cache(maxsize=4096)
-def _pair_stalls(n_kv: int, keys: int, bc: int, gq: int, wql: int, s_cyc: int, sm_cyc: int, pv_cyc: int,
+def _pair_stalls(n_kv: int, keys: int, bc: int, gq: int, wql: int, s_cyc: int, sm_cyc: int, pv_cyc: tuple,
                  latency: int, dma_rows: tuple = (), pingpong: bool = True) -> tuple:
     """Core waits (WAIT_K / WAIT_V) of one q tile after its first S phase:
     (cycles the core is delayed, number of waits); the core's stall counter
@@ -538,7 +540,8 @@ def _pair_stalls(n_kv: int, keys: int, bc: int, gq: int, wql: int, s_cyc: int, s
     * loader: K_j after V_{j-1}, the DMA's K_j and the core's release of K
       buffer j%2 (end of S_{j-2}); V_j after K_j and the release of V buffer
       j%2 (end of P·V_{j-2}); ``wql`` requests per row, one per cycle.
-    * core: S_j after P·V_{j-1} and K_j; P·V_j after its softmax and V_j.
+    * core: S_j after P·V_{j-1} and K_j; P·V_j after its softmax and V_j,
+      ``pv_cyc[j]`` cycles.
 
     ASSUMPTION: the event rules are read from ``hdl/npu.py`` and
     ``hdl/dma.py``, not fitted; bank conflicts are not modelled.  The RTL at
@@ -557,8 +560,8 @@ def _pair_stalls(n_kv: int, keys: int, bc: int, gq: int, wql: int, s_cyc: int, s
     ld_k_end[0] = 0
     ld_v_end[0] = max(0, dma_v[0]) + nks[0] * wql
     s_end[0] = s_cyc
-    pv_end[0] = max(s_cyc + sm_cyc, ld_v_end[0]) + pv_cyc
-    stall = pv_end[0] - (s_cyc + sm_cyc + pv_cyc)
+    pv_end[0] = max(s_cyc + sm_cyc, ld_v_end[0]) + pv_cyc[0]
+    stall = pv_end[0] - (s_cyc + sm_cyc + pv_cyc[0])
     waits = int(stall > 0)
     last_dma = dma_v[0]
     for j in range(1, n_kv):
@@ -580,7 +583,7 @@ def _pair_stalls(n_kv: int, keys: int, bc: int, gq: int, wql: int, s_cyc: int, s
         s_start = max(pv_end[j - 1], ld_k_end[j])
         s_end[j] = s_start + s_cyc
         pv_start = max(s_end[j] + sm_cyc, ld_v_end[j])
-        pv_end[j] = pv_start + pv_cyc
+        pv_end[j] = pv_start + pv_cyc[j]
         stall += (s_start - pv_end[j - 1]) + (pv_start - s_end[j] - sm_cyc)
         waits += int(s_start > pv_end[j - 1]) + int(pv_start > s_end[j] + sm_cyc)
     return int(stall), waits
@@ -651,10 +654,11 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     # always runs at least one tile (a q tile without a visible key yields
     # zeros), and the DMA fetches exactly the keys before the end (the last
     # tile partially), at least one row.
-    if job.causal and causal_skip and not stacked:
-        kv_end = np.clip(max_pos + 1 + (job.seq_kv - job.seq_q), 0, job.seq_kv)
+    if job.causal and not stacked:
+        vis_end = np.clip(max_pos + 1 + (job.seq_kv - job.seq_q), 0, job.seq_kv)
     else:
-        kv_end = np.full(nq, job.seq_kv, dtype=np.int64)
+        vis_end = np.full(nq, job.seq_kv, dtype=np.int64)
+    kv_end = vis_end if causal_skip else np.full(nq, job.seq_kv, dtype=np.int64)
     n_pairs = np.maximum(1, -(-kv_end // bc))
     keys_fetched = np.maximum(1, kv_end)                                     # keys per q tile
 
@@ -665,9 +669,23 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     # --- cycles ---------------------------------------------------------------
     # one MAC per PE per cycle; a k round with fewer accumulators than the
     # MAC's recurrence waits out the rest (``core.gap_s``, ``gap_pv_cycles``)
-    s_mac, pv_mac = d * wr * wc, bc * wr * od
+    # P·V of kv tile j runs the keys up to the last one a valid row of the
+    # q tile sees (hdl/core.py), at least one: pv_keys(i, j)
+    s_mac = d * wr * wc
     s_cyc = s_mac + (d - 1) * t.mac_gap(wr * wc)
-    pv_cyc = pv_mac + (bc - 1) * t.mac_gap(wr * od)
+
+    def pv_cycles(keys):
+        return keys * wr * od + (keys - 1) * t.mac_gap(wr * od)
+    pv_cyc = pv_cycles(bc)                          # a full tile
+    full_t = np.minimum(n_pairs, vis_end // bc)
+    rem = vis_end - full_t * bc
+    part_t = ((full_t < n_pairs) & (rem > 0)).astype(np.int64)
+    pv_key_sum = full_t * bc + part_t * rem + (n_pairs - full_t - part_t)    # per q tile
+    pv_keys_unit = int(pv_key_sum.sum())
+    pv_cyc_total = units * (pv_keys_unit * wr * od + (pv_keys_unit - pairs_unit) * t.mac_gap(wr * od))
+
+    def pv_tiles(i):
+        return tuple(pv_cycles(int(min(bc, max(1, vis_end[i] - j * bc)))) for j in range(int(n_pairs[i])))
     sm_cyc = t.softmax_cycles(config, d)
     sm_exposed = 0 if t.overlap_softmax else sm_cyc
     pair_cyc = s_cyc + sm_exposed + pv_cyc
@@ -786,7 +804,7 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
         d_sum = e_sum = 0
         for i in range(nq):
             dl, ep = _pair_stalls(int(n_pairs[i]), int(keys_fetched[i]), bc, gq, wql, s_cyc,
-                                  sm_exposed + spill_cyc_pair, pv_cyc, lat, rows_of(i), pingpong)
+                                  sm_exposed + spill_cyc_pair, pv_tiles(i), lat, rows_of(i), pingpong)
             d_sum += dl
             e_sum += ep
         return d_sum, e_sum
@@ -838,7 +856,7 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     job_cycles = job.group + 2                    # DIV (heads / kv_heads) and CHECK
 
     # --- counters ----------------------------------------------------------------
-    mac_busy = pairs * (s_mac + pv_mac)
+    mac_busy = pairs * s_mac + units * pv_keys_unit * wr * od
     mac_ops = mac_busy * R * C                    # every PE issues a MAC slot per MAC cycle
     # masked slots (hdl/core.py ``ops_masked``): a position of a computed
     # Br x Bc tile that is a padding row or key, or causally invisible,
@@ -851,15 +869,17 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     else:
         keys_seen = np.full(q_abs.shape, job.seq_kv, dtype=np.int64)
     keys_seen = np.where(np.arange(br)[None, :] < valid_rows[:, None], keys_seen, 0)
-    masked_pos = units * int((n_pairs * br * bc - keys_seen.sum(axis=1)).sum())
-    mac_masked = masked_pos * (d + od * C)
+    seen = keys_seen.sum(axis=1)
+    masked_s = units * int((n_pairs * br * bc - seen).sum())
+    masked_pv = units * int((pv_key_sum * br - seen).sum())      # among the keys P·V runs
+    mac_masked = masked_s * d + masked_pv * od * C
     # one PEXP cycle per S element of a PE and one MALPHA cycle per row, on
     # every PE: each PE of a row evaluates the row's alpha itself
     exp2_ops = pairs * (wr * wc + wr) * R * C
     recip_ops = q_tiles * br
     softmax_cycles = pairs * sm_cyc
     spill_cycles = pairs * spill_cyc_pair
-    total = (pairs * (s_cyc + pv_cyc) + pairs * sm_exposed + q_tiles * qtile_cyc + dma_stall + spill_cycles
+    total = (pairs * s_cyc + pv_cyc_total + pairs * sm_exposed + q_tiles * qtile_cyc + dma_stall + spill_cycles
              + drain_cycles + job_cycles)
 
     # Register-file accesses (4 bytes each), from the core's control words:
@@ -871,7 +891,7 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     # (r O).  ASSUMPTION: operand buffers (Q, K, V) are not register files.
     RC = R * C
     reg_mac = 2 * REG_BYTES * mac_ops
-    reg_p_operand = pairs * pv_cyc * R * REG_BYTES
+    reg_p_operand = pv_cyc_total * R * REG_BYTES
     reg_softmax = pairs * (4 * wr * wc + 6 * wr + 3 * wr * od) * RC * REG_BYTES
     reg_epilogue = q_tiles * ((2 * wr + wr * od) + (wr + 3 * wr * od) + wr * od) * RC * REG_BYTES
     reg_spill = 0
@@ -911,7 +931,8 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     # non-MAC arithmetic for the energy model
     fp32_mul = pairs * (br * bc + br + br * d) + q_tiles * br * d
     fp32_add = pairs * (3 * br * bc + 2 * br)
-    operand_bytes = pairs * FP16 * (2 * bc * d * R + br * d * C + br * bc * C)
+    # K and Q per pair, V and P per P·V key
+    operand_bytes = FP16 * (pairs * (bc * d * R + br * d * C) + units * pv_keys_unit * (d * R + br * C))
 
     counters = Counters(total_cycles=int(total), mac_busy_cycles=int(mac_busy),
                         softmax_cycles=int(softmax_cycles), dma_stall_cycles=int(dma_stall),

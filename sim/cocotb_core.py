@@ -25,7 +25,15 @@ from cocotb.triggers import ClockCycles
 from flashnpu.config import NPUConfig
 from flashnpu.hdl.core import Inject, PausePoint, Phase
 from flashnpu.hdl.pe import RegMap
-from flashnpu.sim.core_driver import CocotbIo, CoreDriver, RegisterCheckError, check_run, expected_masked_macs, make_job
+from flashnpu.sim.core_driver import (
+    CocotbIo,
+    CoreDriver,
+    RegisterCheckError,
+    check_run,
+    expected_mac_cycles,
+    expected_masked_macs,
+    make_job,
+)
 
 ALL_PAUSES = (PausePoint.S_RAW, PausePoint.S, PausePoint.TILE)
 
@@ -121,13 +129,6 @@ def case_bench(cfg):
 
 CASES = {f.__name__[5:]: f for f in (case_multi_tile, case_causal_pad, case_kvl_mask, case_hd128,
                                       case_a1, case_a3, case_a2, case_a5, case_full, case_bench)}
-
-
-def expected_mac_cycles(job):
-    cfg = job.config
-    wr, wc = cfg.rows_per_pe, cfg.cols_per_pe
-    od = cfg.o_cols_per_pe(job.head_dim)
-    return job.n_kv * (job.head_dim * wr * wc + cfg.bc * wr * od)
 
 
 async def _reset(dut):

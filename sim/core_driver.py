@@ -45,7 +45,8 @@ from flashnpu.sim import runner
 from flashnpu.sim.packing import pack, unpack
 
 __all__ = ["pack", "AmaranthIo", "CocotbIo", "QTileJob", "CoreRun", "CoreDriver", "check_run",
-           "computed_positions", "expected_masked_macs", "make_job", "RegisterCheckError"]
+           "computed_positions", "pv_keys", "expected_mac_cycles", "expected_masked_macs", "make_job",
+           "RegisterCheckError"]
 
 
 class RegisterCheckError(AssertionError):
@@ -163,14 +164,33 @@ def computed_positions(job: QTileJob) -> np.ndarray:
     return vis
 
 
-def expected_masked_macs(job: QTileJob) -> int:
-    """MAC slots the core skips at masked positions over the q tile
-    (``Core.ops_masked``): per position outside ``computed_positions``,
-    head_dim Q.K slots and od x C P.V slots (one per O column of the
-    row's PEs)."""
+def pv_keys(job: QTileJob) -> list:
+    """Keys the P.V phase of each kv tile runs (``Core``): up to the tile's
+    last key that a valid row sees by the causal, padding and kv_valid_len
+    rules, at least one."""
+    bc = job.config.bc
+    vis = computed_positions(job).any(axis=0)
+    return [max(1, int(np.flatnonzero(vis[j * bc:(j + 1) * bc]).max(initial=-1)) + 1) for j in range(job.n_kv)]
+
+
+def expected_mac_cycles(job: QTileJob) -> int:
+    """MAC-issuing cycles of the q tile (``Core.cnt_mac``): head_dim*wr*wc
+    per kv tile for Q.K and keys*wr*od for P.V (``pv_keys``)."""
     cfg = job.config
-    n = int((~computed_positions(job)).sum())
-    return n * (job.head_dim + cfg.o_cols_per_pe(job.head_dim) * cfg.array_cols)
+    wr, wc, od = cfg.rows_per_pe, cfg.cols_per_pe, cfg.o_cols_per_pe(job.head_dim)
+    return sum(job.head_dim * wr * wc + keys * wr * od for keys in pv_keys(job))
+
+
+def expected_masked_macs(job: QTileJob) -> int:
+    """MAC slots the core issues at masked positions over the q tile
+    (``Core.ops_masked``): head_dim Q.K slots per position of every tile
+    outside ``computed_positions``, and od x C P.V slots (one per O column
+    of the row's PEs) per such position among the keys P.V runs."""
+    cfg = job.config
+    vis = computed_positions(job)
+    n_s = int((~vis).sum())
+    n_pv = sum(int((~vis[:, j * cfg.bc:j * cfg.bc + keys]).sum()) for j, keys in enumerate(pv_keys(job)))
+    return n_s * job.head_dim + n_pv * cfg.o_cols_per_pe(job.head_dim) * cfg.array_cols
 
 
 def make_job(config: NPUConfig, head_dim, seq_q, seq_kv, causal=False, kv_valid_len=None,

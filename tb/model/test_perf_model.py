@@ -5,6 +5,7 @@ and the validation against the RTL NPU's counters (skipped until it exists)."""
 
 import json
 
+import numpy as np
 import pytest
 
 from flashnpu.cli import main
@@ -48,14 +49,16 @@ def test_agrees_with_golden_op_counts(config, job):
     assert (r.q_tiles, r.kv_tiles, r.tile_pairs) == (g["q_tiles"], g["kv_tiles"], g["tile_pairs"])
     c = r.counters
     assert c.recip_ops == g["recip"]
-    # the RTL counts R*C MAC slots per MAC cycle: equal to the golden count
-    # when head_dim fills every PE column's O block, more when it does not
-    if job.head_dim % config.array_cols == 0:
-        assert c.mac_ops == g["macs"]
-    else:
-        od = config.o_cols_per_pe(job.head_dim)
-        pad = r.tile_pairs * config.br * config.bc * (od * config.array_cols - job.head_dim)
-        assert c.mac_ops == g["macs"] + pad
+    # the RTL counts R*C MAC slots per MAC cycle: the golden count of Q·Kᵀ
+    # (every pair), and for P·V Br x od*C slots per key it runs (od*C >=
+    # head_dim: the idle O columns count), up to the tile's last key a row of
+    # the q tile sees, at least one
+    vis = visible_mask(1, job.seq_q, job.seq_kv, job.causal, None, None)[0]
+    br, bc = config.br, config.bc
+    pv_keys = sum(max(1, int(np.flatnonzero(vis[q0:q0 + br, k0:k0 + bc].any(axis=0)).max(initial=-1)) + 1)
+                  for q0 in range(0, job.seq_q, br) for k0 in range(0, job.seq_kv, bc))
+    od = config.o_cols_per_pe(job.head_dim)
+    assert c.mac_ops == g["macs"] // 2 + job.heads * pv_keys * br * od * config.array_cols
     # every PE of a row evaluates the row's alpha itself: C alphas per row, not 1
     assert c.exp2_ops == g["exp2"] + r.tile_pairs * config.br * (config.array_cols - 1)
 

@@ -13,7 +13,15 @@ from flashnpu.config import DEFAULT, small_config
 from flashnpu.golden import ComparisonError
 from flashnpu.hdl.core import Core, PausePoint, cmd_layout, final_program, init_program, softmax_program
 from flashnpu.hdl.pe import PeOp, RegMap, TreeOp
-from flashnpu.sim.core_driver import AmaranthIo, CoreDriver, check_run, expected_masked_macs, make_job
+from flashnpu.sim.core_driver import (
+    AmaranthIo,
+    CoreDriver,
+    check_run,
+    expected_mac_cycles,
+    expected_masked_macs,
+    make_job,
+    pv_keys,
+)
 from flashnpu.sim.packing import pack
 
 ALL = (PausePoint.S_RAW, PausePoint.S, PausePoint.TILE)
@@ -35,12 +43,6 @@ def simulate(cfg, job, pause=ALL, backpressure=0.0, seed=0):
     sim.add_testbench(tb)
     sim.run()
     return out["run"]
-
-
-def mac_cycles(cfg, job):
-    od = cfg.o_cols_per_pe(job.head_dim)
-    return job.n_kv * (job.head_dim * cfg.rows_per_pe * cfg.cols_per_pe
-                       + cfg.bc * cfg.rows_per_pe * od)
 
 
 def _mask_a1():
@@ -71,12 +73,33 @@ def test_core_bit_exact(name):
     run = simulate(cfg, job, backpressure=bp)
     n = check_run(job, run)
     assert n > 0
-    assert run.counters["cnt_mac"] == mac_cycles(cfg, job)
-    assert run.counters["ops_mac"] == mac_cycles(cfg, job) * cfg.array_rows * cfg.array_cols
+    assert run.counters["cnt_mac"] == expected_mac_cycles(job)
+    assert run.counters["ops_mac"] == expected_mac_cycles(job) * cfg.array_rows * cfg.array_cols
     assert run.counters["ops_recip"] == cfg.br
     assert run.counters["ops_masked"] == expected_masked_macs(job)
     assert run.counters["cnt_tile_sum"] <= run.counters["cnt_total"]
     assert np.isfinite(run.o).all()
+
+
+def test_pv_stops_after_the_last_visible_key():
+    """A decode-shaped q tile (3 rows, kv_valid_len 3 of 13 keys, two kv
+    tiles of 8): P.V runs keys 0..2 of tile 0 and one key of tile 1 (no key
+    visible there), so the MAC cycles are the Q.K rounds plus 4 P.V key
+    rounds instead of 16; every register and O still bit-exact.  Causal:
+    the keys stop at the q tile's last row's limit, below E."""
+    cfg = CFG4
+    wr, wc, od = cfg.rows_per_pe, cfg.cols_per_pe, cfg.o_cols_per_pe(8)
+    job = make_job(cfg, 8, 3, 13, kv_valid_len=3, seed=11, fill=float("nan"))
+    assert pv_keys(job) == [3, 1]
+    # causal, the first q tile of 12 rows: its rows see keys 0..7 at most,
+    # so tile 1 (keys 8..11, E = 4) runs one key
+    causal = make_job(cfg, 8, 12, 12, causal=True, q_tile=0, seed=12)
+    assert pv_keys(causal) == [8, 1]
+    for j, keys in ((job, 4), (causal, 9)):
+        run = simulate(cfg, j, pause=())
+        assert check_run(j, run) > 0
+        assert run.counters["cnt_mac"] == j.n_kv * 8 * wr * wc + keys * wr * od
+        assert run.counters["ops_masked"] == expected_masked_macs(j)
 
 
 def test_a2_beyond_fp16_range():
