@@ -84,7 +84,10 @@ class AttentionJob:
         mask) gives the smallest position and the largest valid length of
         its sequences; its mask alone decides what each head sees.
     kv_valid_len : int
-        Valid slots in the window after this job's K/V were written.
+        Valid slots in the window after this job's K/V were written.  The
+        mask hides every slot at or beyond it (checked), and the backends
+        pass it on: the NPU neither loads nor computes the kv tiles after
+        it, and its P.V stops at it (a length of 0 passes no length).
     resident : bool
         The KV cache is resident in NPU DRAM (``Transport.bind_cache``): the
         backend already holds slots 0..window-1 of ``layer`` (the driver
@@ -136,6 +139,10 @@ class AttentionJob:
         except (TypeError, ValueError) as e:
             raise ValueError(f"job.scale: {e}") from None
         m = np.broadcast_to(self.mask, (heads, seq_q, window))
+        beyond = np.flatnonzero(m[..., self.kv_valid_len:].any((0, 1)))
+        if beyond.size:
+            raise ValueError(f"job.mask lets a query see slot {self.kv_valid_len + int(beyond[0])}, at or beyond "
+                             f"kv_valid_len={self.kv_valid_len}")
         kv_used = m.reshape(kv_heads, heads // kv_heads, seq_q, window).any((1, 2))
         bad = first_nonfinite((("job.q", self.q, m.any(2)), ("job.k", self.k, kv_used),
                                ("job.v", self.v, kv_used)))
@@ -157,6 +164,11 @@ class AttentionJob:
     @property
     def window(self) -> int:
         return self.k.shape[1]
+
+    @property
+    def npu_kv_valid_len(self) -> int | None:
+        """The length the backends give the NPU: kv_valid_len, None for 0."""
+        return int(self.kv_valid_len) or None
 
     @property
     def head_dim(self) -> int:
@@ -208,12 +220,11 @@ def job_bytes(job: AttentionJob, config: NPUConfig = DEFAULT) -> dict:
     query heads that share a kv head are stacked on the rows of q tiles of
     ``config.br`` rows (``ceil(group / br)`` q tiles per kv head), otherwise
     each query head runs its own ``ceil(seq_q / br)`` q tiles.  K and V cover
-    every slot of the job's window in FP16 (a static-shape job: the window
-    is the selected generate variant and the descriptor does not say which
-    slots are valid, so nothing is skipped); they cross DRAM once per kv
-    head when the window's kv tiles fit the NPU's SRAM slots
-    (``ceil(window / bc) <= config.kv_slots``), else once per q tile.  Q is read
-    once in FP16, O written once in FP32.
+    the first kv_valid_len slots of the job's window in FP16 (the NPU is
+    given that length and fetches no key after it; the whole window when it
+    is 0); they cross DRAM once per kv head when those slots' kv tiles fit
+    the NPU's SRAM slots (``ceil(keys / bc) <= config.kv_slots``), else once
+    per q tile.  Q is read once in FP16, O written once in FP32.
 
     Returns
     -------
@@ -222,10 +233,11 @@ def job_bytes(job: AttentionJob, config: NPUConfig = DEFAULT) -> dict:
     group = job.heads // job.kv_heads
     rows = group if job.seq_q == 1 else job.seq_q
     q_tiles = math.ceil(rows / config.br) * (1 if job.seq_q == 1 else group)
-    fetches = 1 if math.ceil(job.window / config.bc) <= config.kv_slots else q_tiles
+    keys = job.npu_kv_valid_len or job.window
+    fetches = 1 if math.ceil(keys / config.bc) <= config.kv_slots else q_tiles
     return dict(
         q=job.q.size * FP16_BYTES,
-        kv=2 * job.kv_heads * fetches * job.window * job.head_dim * FP16_BYTES,
+        kv=2 * job.kv_heads * fetches * keys * job.head_dim * FP16_BYTES,
         o=job.heads * job.seq_q * job.head_dim * FP32_BYTES,
     )
 
@@ -338,7 +350,8 @@ class GoldenTransport(Transport):
 
     def _run(self, job: AttentionJob) -> JobResult:
 
-        res = flash_attention_hw(job.q, job.k, job.v, mask=job.mask, scale=job.scale, config=self.config)
+        res = flash_attention_hw(job.q, job.k, job.v, mask=job.mask, kv_valid_len=job.npu_kv_valid_len,
+                                 scale=job.scale, config=self.config)
         return JobResult(o=res.o, cycles=None, bytes=job_bytes(job, self.config))
 
 
@@ -496,7 +509,7 @@ class RTLTransport(Transport):
         and the slots to store first)."""
         case = AttentionCase(q=np.ascontiguousarray(job.q), k=np.ascontiguousarray(job.k),
                              v=np.ascontiguousarray(job.v), mask=np.asarray(job.mask, bool),
-                             scale=float(job.scale))
+                             kv_valid_len=job.npu_kv_valid_len, scale=float(job.scale))
         spec = dict(case=case, name=f"layer{job.layer}")
         session = self.session
         if job.resident:
