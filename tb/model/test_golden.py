@@ -10,9 +10,9 @@ import pytest
 from flashnpu.config import small_config
 from flashnpu.golden import (
     ComparisonError,
+    Partial,
     assert_bit_exact,
     error_stats,
-    Partial,
     flash_attention_hw,
     merge_partials,
     plain_fp16_attention,
