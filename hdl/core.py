@@ -11,10 +11,11 @@ a valid row of the q tile can see (Bc for a full tile; the keys after it
 are masked for every row, so the P.V rounds stop there); the PE's MAC is
 pipelined (``pe.OP_TIMING``), so each k round must touch at least
 ``MAC_RECURRENCE`` (4) accumulators and a round with fewer (wr*od < 4 at
-small head_dim) is followed by bubbles (``gap_s``, ``gap_pv_cycles``).  The softmax between them is a statically
-scheduled micro-program (``softmax_program``, 88 cycles at 32 x 32: two
-trips through the 20-cycle pipelined row tree dominate) because every PE
-only owns a 2 x 2 block of the score tile; it is not yet overlapped with
+small head_dim) is followed by bubbles (``gap_s``, ``gap_pv_cycles``).  The
+softmax between them is a statically scheduled micro-program
+(``softmax_program``, 88 cycles at 32 x 32: two trips through the 20-cycle
+pipelined row tree dominate) because every PE only owns a 2 x 2 block of
+the score tile; it is not yet overlapped with
 the MACs of the next kv tile.  Masking is computed per PE from row and
 column indices, so causal and padded tiles cost no extra cycles; buffers
 are ping-ponged so the next K/V tile loads while this one computes.

@@ -258,7 +258,9 @@ class DMA(wiring.Component):
 
     # ----------------------------------------------------------- validation
     def _validate(self, m, d):
-        """Combinational check of descriptor ``d``; returns a DMAError signal."""
+        """Combinational check of descriptor ``d``; returns ``(code, empty)``:
+        a DMAError signal (``OK`` for an empty descriptor) and whether ``d``
+        moves nothing (0 rows or 0 bytes per row)."""
         W = self.wbytes
         code = Signal(DMAError, name="chk_code")
         low = W - 1
@@ -293,8 +295,10 @@ class DMA(wiring.Component):
         ]
         pp_bad = d.pp_en & (~pp_on | ~d2s | (d.dst < half_lo) | (dst_end > half_hi))
         win_bad = ~d.pp_en & d2s & pp_on & (d.dst < pp_end) & (dst_end > self.pp_base)
-        with m.If((d.rows == 0) | (d.bytes_per_row == 0)):
-            m.d.comb += code.eq(DMAError.OK)         # empty: completes at once (``_submit``)
+        empty = Signal(name="chk_empty")
+        m.d.comb += empty.eq((d.rows == 0) | (d.bytes_per_row == 0))
+        with m.If(empty):
+            m.d.comb += code.eq(DMAError.OK)         # completes at once (``_submit``)
         with m.Elif(misaligned):
             m.d.comb += code.eq(DMAError.MISALIGNED)
         with m.Elif(src_bad):
@@ -309,7 +313,7 @@ class DMA(wiring.Component):
             m.d.comb += code.eq(DMAError.PP_WINDOW)
         with m.Else():
             m.d.comb += code.eq(DMAError.OK)
-        return code
+        return code, empty
 
     def elaborate(self, platform):
         m = Module()
@@ -385,11 +389,10 @@ class DMA(wiring.Component):
         record.  Returns ``(ws_completing, reject, rej_rec)``: the write
         side's completion strobe (input: it blocks a submit), the reject
         strobe and record (for the completion FIFO)."""
-        code = self._validate(m, self.desc.payload)
+        code, empty = self._validate(m, self.desc.payload)
         ws_completing = Signal()        # write side pushes a completion this cycle
         m.d.comb += self.desc.ready.eq(done_q.w_rdy & ~ws_completing)
         submit = self.desc.valid & self.desc.ready
-        empty = (self.desc.payload.rows == 0) | (self.desc.payload.bytes_per_row == 0)
         reject_code = Signal(DMAError)
         m.d.comb += reject_code.eq(Mux(code != DMAError.OK, code,
                                        Mux(empty, DMAError.OK, DMAError.QUEUE_FULL)))

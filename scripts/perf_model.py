@@ -677,15 +677,16 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     def pv_cycles(keys):
         return keys * wr * od + (keys - 1) * t.mac_gap(wr * od)
     pv_cyc = pv_cycles(bc)                          # a full tile
-    full_t = np.minimum(n_pairs, vis_end // bc)
-    rem = vis_end - full_t * bc
-    part_t = ((full_t < n_pairs) & (rem > 0)).astype(np.int64)
-    pv_key_sum = full_t * bc + part_t * rem + (n_pairs - full_t - part_t)    # per q tile
+
+    def pv_keys(i):
+        """P·V keys of each kv tile of q tile i."""
+        return np.clip(vis_end[i] - bc * np.arange(n_pairs[i]), 1, bc)
+    pv_key_sum = np.array([pv_keys(i).sum() for i in range(nq)], dtype=np.int64)    # per q tile
     pv_keys_unit = int(pv_key_sum.sum())
     pv_cyc_total = units * (pv_keys_unit * wr * od + (pv_keys_unit - pairs_unit) * t.mac_gap(wr * od))
 
     def pv_tiles(i):
-        return tuple(pv_cycles(int(min(bc, max(1, vis_end[i] - j * bc)))) for j in range(int(n_pairs[i])))
+        return tuple(pv_cycles(int(keys)) for keys in pv_keys(i))
     sm_cyc = t.softmax_cycles(config, d)
     sm_exposed = 0 if t.overlap_softmax else sm_cyc
     pair_cyc = s_cyc + sm_exposed + pv_cyc
