@@ -43,6 +43,10 @@ tsv_spare_lanes        8           assumption: a few spares per bundle, as HBM
 kv_slots               16          design point: K/V tile slots of the SRAM map;
                                    a KV head whose kv tiles all fit stays
                                    resident in SRAM (seq_kv <= kv_slots x Bc)
+softmax_overlap        None        design point: a second S buffer per PE lets
+                                   Q.K^T of kv tile j+1 run in the softmax's
+                                   free issue slots of kv tile j (``hdl/core.py``);
+                                   None: wherever the registers allow
 =====================  ==========  =============================================
 """
 
@@ -100,6 +104,13 @@ class NPUConfig:
         K/V tile slots in the NPU's SRAM map (a power of 2, at least 2): a KV
         head with at most ``kv_slots`` kv tiles keeps them resident in SRAM;
         longer ones stream K/V through slots 0 and 1 (ping-pong halves).
+    softmax_overlap : bool or None
+        True: give each PE a second S/P buffer and issue the next kv tile's
+        Q.K^T MACs in the free slots of this tile's softmax program (an error
+        when the registers cannot hold it); False: the phases run strictly
+        one after the other, one S buffer; None (default): True where the
+        second buffer fits in ``pe_registers``.  ``overlaps_softmax`` is the
+        resolved value.
     """
 
     array_rows: int = 32
@@ -129,6 +140,7 @@ class NPUConfig:
     tsv_data_lanes: int = 256
     tsv_spare_lanes: int = 8
     kv_slots: int = 16
+    softmax_overlap: bool | None = None
 
     # ------------------------------------------------------------------ checks
     def __post_init__(self):
@@ -137,6 +149,10 @@ class NPUConfig:
             if f.name == "clock_hz":
                 if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
                     raise ValueError(f"clock_hz must be a positive finite number, not {v!r}")
+                continue
+            if f.name == "softmax_overlap":
+                if v is not None and not isinstance(v, bool):
+                    raise ValueError(f"softmax_overlap must be True, False or None, not {v!r}")
                 continue
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ValueError(f"{f.name} must be an int, not {v!r}")
@@ -201,10 +217,31 @@ class NPUConfig:
         """Register-file entries one PE needs for ``head_dim``.
 
         S/P block (rows_per_pe x cols_per_pe) + O_acc block
-        (rows_per_pe x ceil(head_dim / C)) + m_i, l_i and alpha per row.
+        (rows_per_pe x ceil(head_dim / C)) + m_i, l_i and alpha per row, and
+        with ``softmax_overlap`` a second S/P block at the next multiple of
+        its power-of-two size (``s1_base``).
         """
         rp = self.rows_per_pe
-        return rp * self.cols_per_pe + rp * self.o_cols_per_pe(head_dim) + 3 * rp
+        n = rp * self.cols_per_pe + rp * self.o_cols_per_pe(head_dim) + 3 * rp
+        return self.s1_base(head_dim) + rp * self.cols_per_pe if self.overlaps_softmax else n
+
+    @property
+    def overlaps_softmax(self) -> bool:
+        """``softmax_overlap`` resolved: None means where the second S/P
+        block fits in ``pe_registers`` at ``max_head_dim``."""
+        if self.softmax_overlap is not None:
+            return self.softmax_overlap
+        blk = self.rows_per_pe * self.cols_per_pe
+        return self.s1_base(self.max_head_dim) + blk <= self.pe_registers
+
+    def s1_base(self, head_dim: int) -> int:
+        """First register of the second S/P block (``softmax_overlap``): the
+        first multiple of the block's power-of-two size after the other
+        registers, so its addresses are base | (a * cols_per_pe + b)."""
+        rp, blk = self.rows_per_pe, self.rows_per_pe * self.cols_per_pe
+        n = blk + rp * self.o_cols_per_pe(head_dim) + 3 * rp
+        size = 1 << (blk - 1).bit_length()
+        return -(-n // size) * size
 
     @property
     def tree_levels(self) -> int:

@@ -3,22 +3,35 @@ the PE array, the O read-out stream, debug access and counters.
 
 Design trade-off
 ----------------
-Phases run one after the other on the whole array (S = Q.K^T, softmax,
-O += P.V), which keeps one control word per cycle for all PEs.  The MAC
-phases cost head_dim*wr*wc and keys*wr*od cycles (512 + 512 at head_dim 128
-on the default 32 x 32 array), where keys runs to the tile's last key that
-a valid row of the q tile can see (Bc for a full tile; the keys after it
-are masked for every row, so the P.V rounds stop there); the PE's MAC is
-pipelined (``pe.OP_TIMING``), so each k round must touch at least
-``MAC_RECURRENCE`` (4) accumulators and a round with fewer (wr*od < 4 at
-small head_dim) is followed by bubbles (``gap_s``, ``gap_pv_cycles``).  The
-softmax between them is a statically scheduled micro-program
-(``softmax_program``, 88 cycles at 32 x 32: two trips through the 20-cycle
-pipelined row tree dominate) because every PE only owns a 2 x 2 block of
-the score tile; it is not yet overlapped with
-the MACs of the next kv tile.  Masking is computed per PE from row and
+One control word per cycle drives all PEs (S = Q.K^T, softmax, O += P.V).
+The MAC phases cost head_dim*wr*wc and keys*wr*od cycles (512 + 512 at
+head_dim 128 on the default 32 x 32 array), where keys runs to the tile's
+last key that a valid row of the q tile can see (Bc for a full tile; the
+keys after it are masked for every row, so the P.V rounds stop there); the
+PE's MAC is pipelined (``pe.OP_TIMING``), so each k round must touch at
+least ``MAC_RECURRENCE`` (4) accumulators and a round with fewer (wr*od < 4
+at small head_dim) is followed by bubbles (``gap_s``, ``gap_pv_cycles``).
+The softmax is a statically scheduled micro-program (``softmax_program``,
+88 cycles at 32 x 32: two trips through the 20-cycle pipelined row tree
+dominate, and only 24 of its slots issue an op) because every PE only owns
+a 2 x 2 block of the score tile.  Masking is computed per PE from row and
 column indices, so causal and padded tiles cost no extra cycles; buffers
 are ping-ponged so the next K/V tile loads while this one computes.
+
+Softmax overlap (``config.softmax_overlap``): each PE has a second S block
+(kv tile j uses block j % 2), and the Q.K^T loop of kv tile j+1 issues its
+MACs in the softmax program's free slots of tile j (``mac_ok``: a NOP slot
+whose MAC write stage and MAC-unit entry no op of the program uses,
+``schedule.mac_slots``) once K_{j+1} is in.  The loop keeps its counters
+across the P.V of tile j and finishes after it; a tile whose Q.K^T ran
+ahead completely goes straight to its softmax.  At 32 x 32, head_dim 128,
+58 of the 88 slots are free, so a tile pair takes 1,054 cycles instead of
+1,112::
+
+   issue slots  | S_0 ....... | SM_0 + S_1 (58 slots) | PV_0 ... | S_1 rest | SM_1 + S_2 | PV_1 ...
+
+The S and S_RAW pause points (which stop between Q.K^T and the softmax)
+turn the overlap off for their command.
 
 ::
 
@@ -96,7 +109,7 @@ from .fpu import Recip
 from .pe import MAC_RECURRENCE, OP_TIMING, PIPE_DEPTH, RF_READ_STAGE, PeOp, RegMap, TreeOp, _bits, ctl_layout
 from .reduce import tree_latency
 from .schedule import Inject as Injection
-from .schedule import Op, schedule
+from .schedule import Op, mac_slots, schedule
 from .tilebuf import BufSel, TileBuffers, _onehot, write_layout
 
 __all__ = ["BufSel", "Phase", "PausePoint", "Inject", "cmd_layout", "write_layout", "out_layout",
@@ -155,11 +168,13 @@ RF_USE = {
 
 
 def tile_registers(config: NPUConfig) -> list:
-    """Register indices that live for one kv tile (S/P and alpha): the
-    register check forgets them at the start of every kv tile.  The others
-    (m_i, l_i, O_acc) live for the q tile."""
+    """Register indices that live for one kv tile (S/P of both S blocks and
+    alpha): the register check forgets a tile's S block when its Q.K^T
+    starts and alpha when its softmax starts.  The others (m_i, l_i, O_acc)
+    live for the q tile."""
     g = RegMap(config)
-    return ([g.S(a, b) for a in range(g.wr) for b in range(g.wc)]
+    blocks = (0, 1) if g.overlap else (0,)
+    return ([g.S(a, b, p) for p in blocks for a in range(g.wr) for b in range(g.wc)]
             + [g.ALPHA(a) for a in range(g.wr)])
 
 
@@ -181,6 +196,9 @@ def register_name(config: NPUConfig, index: int) -> str:
     for name, base in (("m_i", g.m_base), ("l_i", g.l_base), ("alpha", g.alpha_base)):
         if index < base + g.wr:
             return f"{name}(a={index - base})"
+    if g.overlap and g.s1_base <= index < g.s1_base + g.wr * g.wc:
+        i = index - g.s1_base
+        return f"S(a={i // g.wc}, b={i % g.wc}, block 1)"
     return f"unused({index})"
 
 
@@ -213,10 +231,12 @@ def rom_layout(config: NPUConfig) -> data.StructLayout:
     """A micro-program word: PE control, the (a, b) of SCALE ops (for the
     visibility bits), ``wait`` (stall until the return register
     ``ctl.ret_sel`` holds a fresh result; a scheduled program never
-    stalls), ``pause`` (S pause point) and ``last``."""
+    stalls), ``pause`` (S pause point), ``mac_ok`` (the next kv tile's
+    Q.K^T may issue a MAC in this slot, ``schedule.mac_slots``) and
+    ``last``."""
     return data.StructLayout({
         "ctl": ctl_layout(config), "a": range(config.rows_per_pe), "b": range(config.cols_per_pe),
-        "wait": 1, "pause": 1, "last": 1,
+        "wait": 1, "pause": 1, "mac_ok": 1, "last": 1,
     })
 
 
@@ -243,8 +263,9 @@ def init_program(config: NPUConfig, od: int | None = None) -> list:
     return _schedule(config, items)
 
 
-def softmax_program(config: NPUConfig, od: int | None = None) -> list:
-    """The softmax of one kv tile as a scheduled micro-program.
+def softmax_program(config: NPUConfig, od: int | None = None, block: int = 0) -> list:
+    """The softmax of one kv tile as a scheduled micro-program, on S block
+    ``block`` (0, or 1 with ``softmax_overlap``: kv tile j uses block j % 2).
 
     Program order (the scheduler moves ops earlier where the pipeline
     allows): SCALE (+mask, +max fold into T) per row, each row's max
@@ -253,19 +274,22 @@ def softmax_program(config: NPUConfig, od: int | None = None) -> list:
     (m_i = m_new) and the row sum's injection; RESC (O_acc *= alpha) for
     each of the ``od`` O columns; per row l_i = alpha * l_i (RESC) and
     l_i += row sum (LADD).  The injection of the last row max carries the S
-    pause point.
+    pause point.  With ``softmax_overlap`` each word's ``mac_ok`` marks the
+    slots where the next kv tile's Q.K^T MACs may issue
+    (``schedule.mac_slots``).
     """
     g = RegMap(config)
     od = _od(config, od)
+    S = lambda a, b: g.S(a, b, block)          # noqa: E731
     items = []
     for a in range(g.wr):
         for b in range(g.wc):
-            items.append(Op(PeOp.SCALE, ra=g.S(a, b), wa=g.S(a, b), first=int(b == 0), a=a, b=b))
+            items.append(Op(PeOp.SCALE, ra=S(a, b), wa=S(a, b), first=int(b == 0), a=a, b=b))
         items.append(Injection(g.tag_max(a), tree=TreeOp.MAX, pause=int(a == g.wr - 1)))
     for a in range(g.wr):
         items.append(Op(PeOp.MALPHA, ra=g.M(a), wa=g.ALPHA(a), ret_sel=g.tag_max(a)))
         for b in range(g.wc):
-            items.append(Op(PeOp.PEXP, ra=g.S(a, b), wa=g.S(a, b), first=int(b == 0)))
+            items.append(Op(PeOp.PEXP, ra=S(a, b), wa=S(a, b), first=int(b == 0)))
         items.append(Op(PeOp.MSET, wa=g.M(a)))
         items.append(Injection(g.tag_sum(a), tree=TreeOp.SUM))
     for a in range(g.wr):
@@ -274,7 +298,11 @@ def softmax_program(config: NPUConfig, od: int | None = None) -> list:
     for a in range(g.wr):
         items.append(Op(PeOp.RESC, ra=g.ALPHA(a), rb=g.L(a), wa=g.L(a)))
         items.append(Op(PeOp.LADD, ra=g.L(a), wa=g.L(a), ret_sel=g.tag_sum(a)))
-    return _schedule(config, items)
+    words = _schedule(config, items)
+    if config.overlaps_softmax:
+        for w, ok in zip(words, mac_slots(words)):
+            w["mac_ok"] = int(ok)
+    return words
 
 
 def final_program(config: NPUConfig, od: int | None = None) -> list:
@@ -344,8 +372,9 @@ class Core(wiring.Component):
     cnt_total, cnt_mac, cnt_softmax, cnt_stall, cnt_tile_last, cnt_tile_sum : Out(32)
         Cycles of the current/last command (pauses excluded): all, with a
         MAC control word in the array, in the softmax program, waiting for a
-        buffer, of the last kv tile (from its first S step to the end of its
-        P.V), and summed over the kv tiles.
+        buffer, of the last kv tile (from the end of the previous tile's
+        P.V, or the first tile's first S step, to the end of its P.V), and
+        summed over the kv tiles.
     ops_mac, ops_exp2, ops_recip : Out(48)
         MAC slots (R*C per MAC cycle, skipped MACs included), exp2
         evaluations (R*C per PEXP/MALPHA cycle), reciprocals (R per start).
@@ -384,6 +413,8 @@ class Core(wiring.Component):
         self.programs = {name: {od: f(config, od) for od in range(1, odm + 1)}
                          for name, f in (("init", init_program), ("sm", softmax_program),
                                          ("final", final_program))}
+        if config.overlaps_softmax:
+            self.programs["sm1"] = {od: softmax_program(config, od, 1) for od in range(1, odm + 1)}
         super().__init__({
             "cmd": In(stream.Signature(cmd_layout(config))),
             "wr": In(stream.Signature(write_layout(config))),
@@ -434,7 +465,7 @@ class Core(wiring.Component):
         progs = self.programs
         starts = {}
         words = []
-        for name in ("init", "sm", "final"):
+        for name in progs:
             starts[name] = []
             for k in sorted(progs[name]):
                 starts[name].append(len(words))
@@ -478,8 +509,26 @@ class Core(wiring.Component):
         kc = Signal(range(C))                 # k // wc (P.V)
         kb = Signal(range(wc))                # k % wc (P.V)
         a = Signal(range(wr))
-        b = Signal(range(wc))
         n = Signal(range(odm))
+        # the Q.K^T loop's own counters (k, row a, column b of the S block):
+        # with ``softmax_overlap`` it runs ahead into the next kv tile during
+        # this tile's softmax and keeps its place across the P.V between
+        sk = Signal(range(mhd + 1))
+        sa = Signal(range(wr))
+        sb = Signal(range(wc))
+        gap_sl = Signal(range(MAC_RECURRENCE + 1))
+        ov = Signal()                          # overlap on for this command
+        ahead_done = Signal()                  # Q.K^T of tile + 1 is complete
+        ins = Signal()                         # an S step of tile + 1 issues now
+        s_issue = Signal()                     # an S step issues now
+        s_par = Signal()                       # its S block
+        s_first = Signal()                     # it is the first step of its tile
+        enter_sm = Signal()                    # a softmax program starts
+        release_s = Signal(len(BufSel))        # K (and Q) released by the S loop
+        release_o = Signal(len(BufSel))
+        m.d.comb += release.eq(release_s | release_o)
+        vis_dn = Signal.like(vis_d)            # D and E of kv tile + 1
+        vis_en = Signal.like(vis_e)
         # The PEs' pipelines are empty (``s_quiet``) when no op issued so far
         # is still active: ``paused`` waits for it (the MACs of the S loop or
         # of P.V may still be writing when a pause begins), and so does a new
@@ -500,6 +549,7 @@ class Core(wiring.Component):
         k_sel = Mux(half, 1 << BufSel.K1, 1 << BufSel.K0)
         v_sel = Mux(half, 1 << BufSel.V1, 1 << BufSel.V0)
         k_ok = ((full & k_sel) != 0) & full[BufSel.Q]
+        kn_ok = ((full & Mux(half, 1 << BufSel.K0, 1 << BufSel.K1)) != 0) & full[BufSel.Q]
         v_ok = (full & v_sel) != 0
         m_ok = ~cmd.mask_en | full[BufSel.MASK]
 
@@ -552,9 +602,12 @@ class Core(wiring.Component):
         ready_now = ready | arrive
 
         s = SimpleNamespace(
-            cmd=cmd, od=od, full=full, release=release, pc=pc, word=word, base=base,
-            phase=phase, resume_to=resume_to, resume_pc=resume_pc, pause_at=pause_at,
-            tile=tile, vis_d=vis_d, vis_e=vis_e, vis_f=vis_f, k=k, kc=kc, kb=kb, a=a, b=b, n=n,
+            cmd=cmd, od=od, full=full, release=release_o, release_s=release_s, pc=pc, word=word,
+            base=base, phase=phase, resume_to=resume_to, resume_pc=resume_pc, pause_at=pause_at,
+            tile=tile, vis_d=vis_d, vis_e=vis_e, vis_f=vis_f, vis_dn=vis_dn, vis_en=vis_en,
+            k=k, kc=kc, kb=kb, a=a, n=n, sk=sk, sa=sa, sb=sb, gap_sl=gap_sl, ov=ov,
+            ahead_done=ahead_done, ins=ins, s_issue=s_issue, s_par=s_par, s_first=s_first,
+            enter_sm=enter_sm, kn_ok=kn_ok,
             half=half, k_sel=k_sel, v_sel=v_sel, k_ok=k_ok, v_ok=v_ok, m_ok=m_ok,
             iss=iss, iss_a=iss_a, iss_b=iss_b, iss_k=iss_k, iss_n=iss_n, iss_kc=iss_kc,
             sa_pv=sa_pv, use_pv_sa=use_pv_sa, o_r=o_r, o_a=o_a, o_n=o_n, primed=primed,
@@ -566,42 +619,114 @@ class Core(wiring.Component):
         # test-only faults for the register check (override the issued word)
         with m.If(self.inject[Inject.SKIP_INIT] & (phase == Phase.INIT)):
             m.d.comb += iss.op.eq(PeOp.NOP)
-        with m.If(self.inject[Inject.DROP_S_WRITE] & (phase == Phase.S) & (tile == 1)
-                  & (k == 0) & (a == 0) & (b == 0)):
+        with m.If(self.inject[Inject.DROP_S_WRITE] & s_first & (tile + ins == 1)):
             m.d.comb += iss.op.eq(PeOp.NOP)
         return s
 
     # The FSM's actions shared by several phases.
     def _start_s(self, m, s):
         m.d.comb += s.enter_s.eq(1)
-        m.d.sync += [s.phase.eq(Phase.S), s.k.eq(0), s.a.eq(0), s.b.eq(0)]
+        m.d.sync += s.phase.eq(Phase.S)
+
+    def _sm_base(self, s, par):
+        """First ROM word of the softmax program on S block ``par``."""
+        if not self.config.overlaps_softmax:
+            return s.base("sm")
+        return Mux(par, s.base("sm1"), s.base("sm"))
+
+    def _enter_sm(self, m, s, par):
+        """Go to the softmax of the tile whose S block is ``par`` (WAIT_M
+        first when its mask is not in)."""
+        m.d.sync += s.pc.eq(self._sm_base(s, par))
+        with m.If(s.m_ok):
+            m.d.comb += s.enter_sm.eq(1)
+            m.d.sync += s.phase.eq(Phase.SM)
+        with m.Else():
+            m.d.sync += s.phase.eq(Phase.WAIT_M)
+
+    def _s_step(self, m, s, ahead: bool):
+        """One cycle of the Q.K^T loop (counters ``sk``/``sa``/``sb``, bubbles
+        ``gap_sl``) for kv tile ``tile`` (phase S) or, ``ahead``, tile + 1 in
+        a free slot of this tile's softmax (``mac_ok``).  A round (one k)
+        touches the wr*wc accumulators once; fewer than MAC_RECURRENCE of
+        them leave bubbles between rounds.  The last step releases the
+        tile's K half (and Q after the q tile's last tile)."""
+        cfg, g = self.config, self.regs
+        wr, wc = g.wr, g.wc
+        iss, cmd = s.iss, s.cmd
+        sk, sa, sb = s.sk, s.sa, s.sb
+        with m.If(s.gap_sl != 0):
+            m.d.sync += s.gap_sl.eq(s.gap_sl - 1)
+        with m.Else():
+            par = s.ov & (~s.tile[0] if ahead else s.tile[0])
+            reg = Mux(par, g.s1_base, 0) | (sa * wc + sb)
+            m.d.comb += [iss.op.eq(PeOp.MAC), iss.ra.eq(reg), iss.wa.eq(reg), iss.first.eq(sk == 0),
+                         s.iss_a.eq(sa), s.iss_b.eq(sb), s.iss_k.eq(sk), s.s_issue.eq(1),
+                         s.s_par.eq(par), s.s_first.eq((sk == 0) & (sa == 0) & (sb == 0))]
+            if ahead:
+                m.d.comb += s.ins.eq(1)
+            last_b = sb == wc - 1
+            last_a = sa == wr - 1
+            last_k = sk == cmd.head_dim - 1
+            m.d.sync += sb.eq(Mux(last_b, 0, sb + 1))
+            with m.If(last_b):
+                m.d.sync += sa.eq(Mux(last_a, 0, sa + 1))
+                with m.If(last_a):
+                    m.d.sync += sk.eq(Mux(last_k, 0, sk + 1))
+                    if gap_s(cfg):
+                        with m.If(~last_k & ~self.inject[Inject.NO_GAP]):
+                            m.d.sync += s.gap_sl.eq(gap_s(cfg))
+            with m.If(last_b & last_a & last_k):
+                t_last = (s.tile + 2 if ahead else s.tile + 1) == cmd.n_kv
+                k_rel = (Mux(s.half, 1 << BufSel.K0, 1 << BufSel.K1) if ahead else s.k_sel)
+                m.d.comb += s.release_s.eq(k_rel | Mux(t_last, 1 << BufSel.Q, 0))
+                if ahead:
+                    m.d.sync += s.ahead_done.eq(1)
+                else:
+                    with m.If(cmd.pause[PausePoint.S_RAW]):
+                        m.d.sync += [s.phase.eq(Phase.PAUSED), s.resume_to.eq(Phase.WAIT_M),
+                                     s.pause_at.eq(PausePoint.S_RAW), s.resume_pc.eq(s.base("sm"))]
+                    with m.Else():
+                        self._enter_sm(m, s, par)
 
     def _start_pv(self, m, s):
         m.d.sync += [s.k.eq(0), s.kc.eq(0), s.kb.eq(0), s.a.eq(0), s.n.eq(0)]
 
     def _after_tile(self, m, s):
-        """Decide what follows the P.V of a tile (tile already counted)."""
+        """Decide what follows the P.V of a tile (tile not yet counted): the
+        FINAL program after the last tile; else the next tile's softmax when
+        its Q.K^T already ran ahead, the rest of its Q.K^T when it started,
+        or its Q.K^T (once its K half is in)."""
         cmd, phase = s.cmd, s.phase
         last_tile = s.tile + 1 == cmd.n_kv
+        s_mid = (s.sk != 0) | (s.sa != 0) | (s.sb != 0)
         nxt = Signal(Phase, name="after_tile")
+        nxt_pc = Signal.like(s.pc, name="after_tile_pc")
+        m.d.comb += nxt_pc.eq(s.base("final"))
         with m.If(last_tile):
             m.d.comb += nxt.eq(Phase.FINAL)
+        with m.Elif(s.ahead_done):
+            m.d.comb += [nxt.eq(Phase.WAIT_M), nxt_pc.eq(self._sm_base(s, s.ov & ~s.tile[0]))]
+        with m.Elif(s_mid):
+            m.d.comb += nxt.eq(Phase.S)
         with m.Else():
             m.d.comb += nxt.eq(Phase.WAIT_K)
-        next_k = Mux(s.half, 1 << BufSel.K0, 1 << BufSel.K1)
         with m.If(cmd.pause[PausePoint.TILE]):
             m.d.sync += [phase.eq(Phase.PAUSED), s.resume_to.eq(nxt),
-                         s.pause_at.eq(PausePoint.TILE), s.resume_pc.eq(s.base("final"))]
-        with m.Elif(~last_tile & ((s.full & next_k) != 0)):
+                         s.pause_at.eq(PausePoint.TILE), s.resume_pc.eq(nxt_pc)]
+        with m.Elif(~last_tile & s.ahead_done):
+            self._enter_sm(m, s, s.ov & ~s.tile[0])
+        with m.Elif(~last_tile & ~s_mid & s.kn_ok):
             self._start_s(m, s)                # back-to-back tiles: no bubble
         with m.Else():
-            m.d.sync += [phase.eq(nxt), s.pc.eq(s.base("final"))]
+            m.d.sync += [phase.eq(nxt), s.pc.eq(nxt_pc)]
 
     def _run_rom(self, m, s, on_last):
         """Issue the ROM word at ``pc`` unless it waits for a return value;
         ``on_last`` adds the actions of the program's last word."""
         word, pc = s.word, s.pc
         stall = word.wait & ~s.ready_now.bit_select(word.ctl.ret_sel, 1)
+        s.rom_stall = stall
         with m.If(~stall):
             m.d.comb += [s.iss.eq(word.ctl), s.iss_a.eq(word.a), s.iss_b.eq(word.b)]
             with m.If((word.ctl.tree != TreeOp.NONE) | word.ctl.rcp):
@@ -622,7 +747,7 @@ class Core(wiring.Component):
         C, Bc = cfg.array_cols, cfg.bc
         wr, wc, odm, mhd = g.wr, g.wc, g.od, cfg.max_head_dim
         cmd, phase, pc, base, iss, release = s.cmd, s.phase, s.pc, s.base, s.iss, s.release
-        k, a, b, n, kc, kb, tile = s.k, s.a, s.b, s.n, s.kc, s.kb, s.tile
+        k, a, n, kc, kb, tile = s.k, s.a, s.n, s.kc, s.kb, s.tile
         with m.Switch(phase):
             with m.Case(Phase.IDLE):
                 m.d.comb += self.cmd.ready.eq(s.quiet)
@@ -634,11 +759,18 @@ class Core(wiring.Component):
                     m.d.comb += od_new.eq((p.head_dim + C - 1) >> (C.bit_length() - 1))
                     with m.If(~bad):
                         m.d.comb += s.accept.eq(1)
+                        vis_e0 = Mux(p.seq_kv < p.kv_valid_len, p.seq_kv, p.kv_valid_len)
                         m.d.sync += [cmd.eq(p), phase.eq(Phase.INIT), pc.eq(base("init", od_new)),
                                      tile.eq(0), s.od.eq(od_new),
                                      s.vis_d.eq(p.seq_q - p.q_row0 - p.seq_kv),
-                                     s.vis_e.eq(Mux(p.seq_kv < p.kv_valid_len, p.seq_kv, p.kv_valid_len)),
-                                     s.vis_f.eq(p.seq_q - p.q_row0)]
+                                     s.vis_e.eq(vis_e0),
+                                     s.vis_dn.eq(p.seq_q - p.q_row0 - p.seq_kv + Bc),
+                                     s.vis_en.eq(vis_e0 - Bc),
+                                     s.vis_f.eq(p.seq_q - p.q_row0),
+                                     s.sk.eq(0), s.sa.eq(0), s.sb.eq(0), s.gap_sl.eq(0),
+                                     s.ahead_done.eq(0),
+                                     s.ov.eq(int(cfg.overlaps_softmax) & ~p.pause[PausePoint.S_RAW]
+                                             & ~p.pause[PausePoint.S])]
             with m.Case(Phase.INIT):
                 def init_last():
                     m.d.sync += phase.eq(Phase.WAIT_K)
@@ -647,36 +779,10 @@ class Core(wiring.Component):
                 with m.If(s.k_ok):
                     self._start_s(m, s)
             with m.Case(Phase.S):
-                # a round (one k) touches the wr*wc accumulators once; fewer
-                # than MAC_RECURRENCE of them leave bubbles between rounds
-                with m.If(s.gap != 0):
-                    m.d.sync += s.gap.eq(s.gap - 1)
-                with m.Else():
-                    m.d.comb += [iss.op.eq(PeOp.MAC), iss.ra.eq(a * wc + b), iss.wa.eq(a * wc + b),
-                                 iss.first.eq(k == 0), s.iss_a.eq(a), s.iss_b.eq(b), s.iss_k.eq(k)]
-                    last_b = b == wc - 1
-                    last_a = a == wr - 1
-                    last_k = k == cmd.head_dim - 1
-                    m.d.sync += b.eq(Mux(last_b, 0, b + 1))
-                    with m.If(last_b):
-                        m.d.sync += a.eq(Mux(last_a, 0, a + 1))
-                        with m.If(last_a):
-                            m.d.sync += k.eq(k + 1)
-                            if gap_s(cfg):
-                                with m.If(~last_k & ~self.inject[Inject.NO_GAP]):
-                                    m.d.sync += s.gap.eq(gap_s(cfg))
-                    with m.If(last_b & last_a & last_k):
-                        m.d.comb += release.eq(s.k_sel | Mux(tile + 1 == cmd.n_kv, 1 << BufSel.Q, 0))
-                        m.d.sync += pc.eq(base("sm"))
-                        with m.If(cmd.pause[PausePoint.S_RAW]):
-                            m.d.sync += [phase.eq(Phase.PAUSED), s.resume_to.eq(Phase.WAIT_M),
-                                         s.pause_at.eq(PausePoint.S_RAW), s.resume_pc.eq(base("sm"))]
-                        with m.Elif(s.m_ok):
-                            m.d.sync += phase.eq(Phase.SM)
-                        with m.Else():
-                            m.d.sync += phase.eq(Phase.WAIT_M)
+                self._s_step(m, s, ahead=False)
             with m.Case(Phase.WAIT_M):
                 with m.If(s.m_ok):
+                    m.d.comb += s.enter_sm.eq(1)
                     m.d.sync += phase.eq(Phase.SM)
             with m.Case(Phase.SM):
                 def sm_last():
@@ -687,6 +793,10 @@ class Core(wiring.Component):
                     with m.Else():
                         m.d.sync += phase.eq(Phase.WAIT_V)
                 self._run_rom(m, s, sm_last)
+                # the next tile's Q.K^T in the program's free slots
+                with m.If(s.ov & s.word.mac_ok & ~s.rom_stall & (tile + 1 < cmd.n_kv)
+                          & ~s.ahead_done & s.kn_ok):
+                    self._s_step(m, s, ahead=True)
             with m.Case(Phase.WAIT_V):
                 with m.If(s.v_ok):
                     m.d.sync += phase.eq(Phase.PV)
@@ -698,7 +808,8 @@ class Core(wiring.Component):
                     m.d.comb += [iss.op.eq(PeOp.MAC), iss.ra.eq(g.o_base + a * odm + n),
                                  iss.wa.eq(g.o_base + a * odm + n), iss.skipz.eq(1), iss.pv.eq(1),
                                  s.iss_a.eq(a), s.iss_k.eq(k), s.iss_n.eq(n), s.iss_kc.eq(kc),
-                                 s.sa_pv.eq(a * wc + kb), s.use_pv_sa.eq(1)]
+                                 s.sa_pv.eq(Mux(s.ov & tile[0], g.s1_base, 0) | (a * wc + kb)),
+                                 s.use_pv_sa.eq(1)]
                     last_n = n == s.od - 1
                     last_a = a == wr - 1
                     last_k = k == s.pv_last
@@ -713,9 +824,10 @@ class Core(wiring.Component):
                                 m.d.sync += s.gap.eq(s.gap_pv)
                     with m.If(last_n & last_a & last_k):
                         m.d.comb += release.eq(s.v_sel)
-                        m.d.sync += [tile.eq(tile + 1), s.vis_d.eq(s.vis_d + Bc),
-                                     s.vis_e.eq(s.vis_e - Bc)]
                         self._after_tile(m, s)
+                        m.d.sync += [tile.eq(tile + 1), s.vis_d.eq(s.vis_d + Bc),
+                                     s.vis_e.eq(s.vis_e - Bc), s.vis_dn.eq(s.vis_dn + Bc),
+                                     s.vis_en.eq(s.vis_en - Bc), s.ahead_done.eq(0)]
             with m.Case(Phase.FINAL):
                 def final_last():
                     m.d.sync += [phase.eq(Phase.OUT), s.o_r.eq(0), s.o_a.eq(0), s.o_n.eq(0),
@@ -788,7 +900,7 @@ class Core(wiring.Component):
         cmd, od = s.cmd, s.od
         iss, iss_a, iss_b, iss_k, iss_n, iss_kc = s.iss, s.iss_a, s.iss_b, s.iss_k, s.iss_n, s.iss_kc
         # --------------------------------------------- operand fetch (issue)
-        m.d.comb += [bufs.half.eq(s.half), bufs.q_row.eq(iss_a), bufs.k_row.eq(iss_b),
+        m.d.comb += [bufs.half.eq(s.half ^ s.ins), bufs.q_row.eq(iss_a), bufs.k_row.eq(iss_b),
                      bufs.v_row.eq(iss_k)]
 
         # ------------------------------------- operand stage (issue + 1 cycle)
@@ -836,15 +948,25 @@ class Core(wiring.Component):
         for r in range(R):
             for a in range(wr):
                 m.d.comb += row_ok[r][a].eq(wr * r + a < F)
-        col_ok = [[Signal(name=f"kok{c}_{b}") for b in range(wc)] for c in range(C)]
-        for c in range(C):
-            for b in range(wc):
-                m.d.comb += col_ok[c][b].eq(wc * c + b < E)
-        causal_le = {}                                  # u -> (D <= u)
-        for u in sorted({wr * r + a - wc * c - b for r in range(R) for a in range(wr)
-                         for c in range(C) for b in range(wc)}):
-            causal_le[u] = Signal(name=f"dle{u}".replace("-", "m"))
-            m.d.comb += causal_le[u].eq(not_causal | (D <= u))
+        us = sorted({wr * r + a - wc * c - b for r in range(R) for a in range(wr)
+                     for c in range(C) for b in range(wc)})
+
+        def key_terms(D, E, sfx):
+            """The S-phase compares against one kv tile's D and E: key valid
+            per (c, b), causal limit per offset u."""
+            col_ok = [[Signal(name=f"kok{sfx}{c}_{b}") for b in range(wc)] for c in range(C)]
+            for c in range(C):
+                for b in range(wc):
+                    m.d.comb += col_ok[c][b].eq(wc * c + b < E)
+            causal_le = {}                              # u -> (D <= u)
+            for u in us:
+                causal_le[u] = Signal(name=f"dle{sfx}{u}".replace("-", "m"))
+                m.d.comb += causal_le[u].eq(not_causal | (D <= u))
+            return col_ok, causal_le
+        col_ok, causal_le = key_terms(D, E, "")
+        # the Q.K^T steps that run ahead (``ins``) are of kv tile + 1: the
+        # same compares on its D and E (registers too), chosen per PE last
+        nxt = key_terms(s.vis_dn, s.vis_en, "n") if cfg.overlaps_softmax else None
         ab = Signal(range(wr * wc), name="vis_ab")
         m.d.comb += ab.eq(iss_a * wc + iss_b)
         # P.V: the loop's own a and k registers (iss_a == a there)
@@ -856,8 +978,12 @@ class Core(wiring.Component):
             row_a = Array(row_ok[r])
             pv_ok = row_a[s.a] & key_pv & (not_causal | (z <= wr * r))
             for c in range(C):
-                ca = Array([causal_le[wr * r + a - wc * c - b] for a in range(wr) for b in range(wc)])
-                s_ok = row_a[iss_a] & Array(col_ok[c])[iss_b] & ca[ab]
+                def s_ok_of(col_ok, causal_le):
+                    ca = Array([causal_le[wr * r + a - wc * c - b] for a in range(wr) for b in range(wc)])
+                    return row_a[iss_a] & Array(col_ok[c])[iss_b] & ca[ab]
+                s_ok = s_ok_of(col_ok, causal_le)
+                if nxt is not None:
+                    s_ok = Mux(s.ins, s_ok_of(*nxt), s_ok)
                 m.d.sync += geo[r * C + c].eq(Mux(iss.pv, pv_ok, s_ok))
         for r in range(R):
             # mask bits of this step (column b_d of every PE) for SCALE, all
@@ -885,7 +1011,10 @@ class Core(wiring.Component):
         phase, tile = s.phase, s.tile
         NR = cfg.pe_registers
         written = Signal(NR)
-        tile_mask = sum(1 << i for i in tile_registers(cfg))
+        g = self.regs
+        block_mask = [sum(1 << g.S(a, b, p) for a in range(g.wr) for b in range(g.wc))
+                      for p in ((0, 1) if g.overlap else (0,))]
+        alpha_mask = sum(1 << g.ALPHA(a) for a in range(g.wr))
         wstage = {op: t.write for op, t in OP_TIMING.items() if t.write is not None}
         n_st = max(wstage.values()) + 1
         rec = data.StructLayout({"op": PeOp, "wa": ctl_d.wa.shape(), "first": 1, "skipz": 1})
@@ -922,16 +1051,22 @@ class Core(wiring.Component):
                         m.d.comb += rd_a.eq(~rd.first)
                     else:
                         m.d.comb += [rd_a.eq(ua), rd_b.eq(ub)]
+        # a tile's S block is forgotten when its first Q.K^T step issues,
+        # alpha when its softmax starts
+        forget = Signal(NR)
+        blk = Const(block_mask[0], NR) if len(block_mask) == 1 else \
+            Mux(s.s_par, Const(block_mask[1], NR), Const(block_mask[0], NR))
+        m.d.comb += forget.eq(Mux(s.s_first, blk, 0) | Mux(s.enter_sm, Const(alpha_mask, NR), 0))
         with m.If(s.accept):
             m.d.sync += written.eq(0)
-        with m.Elif(s.enter_s):
-            m.d.sync += written.eq((written & ~Const(tile_mask, NR)) | wr_now_s)
         with m.Else():
-            m.d.sync += written.eq(written | wr_now_s)
-        phase_d = [Signal(Phase, name=f"chk_phase{i}") for i in range(2)]   # of the word in E0, E1
+            m.d.sync += written.eq((written & ~forget) | wr_now_s)
+        # phase and kv tile of the word in E0, E1 (a Q.K^T step that runs
+        # ahead counts as phase S of tile + 1)
+        phase_d = [Signal(Phase, name=f"chk_phase{i}") for i in range(2)]
         tile_d = [Signal.like(tile, name=f"chk_tile{i}") for i in range(2)]
-        m.d.sync += [phase_d[0].eq(phase), tile_d[0].eq(tile), phase_d[1].eq(phase_d[0]),
-                     tile_d[1].eq(tile_d[0])]
+        m.d.sync += [phase_d[0].eq(Mux(s.ins, Phase.S, phase)), tile_d[0].eq(tile + s.ins),
+                     phase_d[1].eq(phase_d[0]), tile_d[1].eq(tile_d[0])]
         seen = written | wr_now_s
 
         def bad(addr, pending):
@@ -986,8 +1121,10 @@ class Core(wiring.Component):
             with m.If(((phase == Phase.WAIT_K) & ~s.k_ok) | ((phase == Phase.WAIT_M) & ~s.m_ok)
                       | ((phase == Phase.WAIT_V) & ~s.v_ok)):
                 m.d.sync += self.cnt_stall.eq(self.cnt_stall + 1)
-            # tile cycles: from the first S step of a tile to the end of its P.V
-            with m.If(s.enter_s):
+            # tile cycles: from the first S step of the q tile's first tile,
+            # or from the end of the previous tile's P.V (with the overlap the
+            # tiles' phases interleave), to the end of its P.V
+            with m.If(s.enter_s | ((phase == Phase.PV) & (s.release != 0))):
                 m.d.sync += tile_cyc.eq(0)
             with m.Elif(counting):
                 m.d.sync += tile_cyc.eq(tile_cyc + 1)

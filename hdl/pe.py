@@ -131,9 +131,13 @@ class RegMap:
     ``O(a, n)``           O_acc of row a, column od*c+n        wr * od_max
     ``M(a)``, ``L(a)``    m_i, l_i of row a                    2 wr
     ``ALPHA(a)``          alpha of row a (last kv tile)        wr
+    ``S(a, b, 1)``        the second S / P block (from         wr * wc
+                          ``s1_base``; ``softmax_overlap``)
     ====================  ===================================  =============
 
-    P is stored in place of S as a zero-extended FP16 pattern.
+    P is stored in place of S as a zero-extended FP16 pattern.  With
+    ``softmax_overlap`` kv tile j uses S block j % 2, so Q.K^T of tile j+1
+    can write its block while the softmax of tile j works on the other.
     Return tags (``ret_sel``/``tag``): row max of row a -> ``a``, row sum ->
     ``wr + a``, reciprocal -> ``2 wr + a``.
     """
@@ -149,10 +153,16 @@ class RegMap:
         self.m_base = self.o_base + self.wr * self.od
         self.l_base = self.m_base + self.wr
         self.alpha_base = self.l_base + self.wr
-        self.used = self.alpha_base + self.wr
+        self.overlap = config.overlaps_softmax
+        self.s1_base = config.s1_base(config.max_head_dim) if self.overlap else 0
+        self.used = need
 
-    def S(self, a, b):
-        return a * self.wc + b
+    def S(self, a, b, p=0):
+        """Register of S/P element (a, b) in block ``p`` (0, or 1 with
+        ``softmax_overlap``)."""
+        if p and not self.overlap:
+            raise ValueError("the second S block needs softmax_overlap")
+        return (self.s1_base if p else 0) + a * self.wc + b
 
     def O(self, a, n):
         return self.o_base + a * self.od + n

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from .pe import OP_TIMING, RF_READ_STAGE, PeOp, TreeOp
 
-__all__ = ["Op", "Inject", "schedule", "ENTRY_WRITES"]
+__all__ = ["Op", "Inject", "schedule", "mac_slots", "ENTRY_WRITES"]
 
 #: Slots 0..ENTRY_WRITES-1 may still see register-file writes of the MACs
 #: issued before the program (the MAC writes in stage 5).
@@ -176,6 +176,26 @@ def schedule(items, tree_latency: int, recip_latency: int) -> list:
             ctl=dict(op=o.op, ra=o.ra, rb=o.rb, wa=o.wa, first=o.first, skipz=0, pv=0,
                      ret_sel=o.ret_sel, tree=j.tree if j else TreeOp.NONE, tag=j.tag if j else 0,
                      rcp=j.rcp if j else 0),
-            a=o.a, b=o.b, wait=int(OP_TIMING[o.op].ret), pause=j.pause if j else 0, last=0))
+            a=o.a, b=o.b, wait=int(OP_TIMING[o.op].ret), pause=j.pause if j else 0, mac_ok=0,
+            last=0))
     words[-1]["last"] = 1
     return words
+
+
+def mac_slots(words) -> list:
+    """Slots of a scheduled program where a MAC of another loop may issue
+    instead of the NOP: the slot's op is a NOP (a row-tree or reciprocal
+    start may ride on it), no op of the program writes the register file in
+    the MAC's write stage, and none enters the MAC unit in that cycle (PEXP's
+    row-sum fold).  The MAC must touch only registers the program does not
+    (the core's second S block).  Returns one bool per word."""
+    mac = OP_TIMING[PeOp.MAC]
+    writes, units = set(), set()
+    for c, w in enumerate(words):
+        t = OP_TIMING[PeOp(w["ctl"]["op"])]
+        if t.write is not None:
+            writes.add(c + t.write)
+        if "mac" in t.units:
+            units.add(c + t.units["mac"])
+    return [PeOp(w["ctl"]["op"]) == PeOp.NOP and c + mac.write not in writes and c not in units
+            for c, w in enumerate(words)]

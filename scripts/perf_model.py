@@ -168,8 +168,11 @@ def rtl_program_cycles(config: NPUConfig, head_dim: int) -> dict | None:
     Returns
     -------
     dict or None
-        ``init``, ``softmax``, ``final`` (cycles), or None when the RTL core
-        cannot be imported or its programs do not have the expected form.
+        ``init``, ``softmax``, ``final`` (cycles) and ``softmax_slots`` (the
+        softmax program's slots, as offsets from its start, where the next
+        kv tile's Q·Kᵀ may issue: ``mac_ok``, empty without
+        ``softmax_overlap``), or None when the RTL core cannot be imported
+        or its programs do not have the expected form.
     """
     try:
         # deferred: the RTL imports amaranth, which `flashnpu --help` (through
@@ -196,8 +199,10 @@ def rtl_program_cycles(config: NPUConfig, head_dim: int) -> dict | None:
                     break
             return t
 
-        return dict(init=run(init_program(config, od)), softmax=run(softmax_program(config, od)),
-                    final=run(final_program(config, od)))
+        sm = softmax_program(config, od)
+        return dict(init=run(init_program(config, od)), softmax=run(sm),
+                    final=run(final_program(config, od)),
+                    softmax_slots=tuple(c for c, w in enumerate(sm) if w.get("mac_ok")))
     except Exception:            # no RTL yet, or a program of another form: use the formulas
         return None
 
@@ -266,8 +271,10 @@ class Timing:
         O read-out: one FP32 per PE column per cycle (C x 4 bytes), one beat
         per (row, O column) of the PE, Br·od beats + 1 priming cycle.
     overlap_softmax : bool
-        Hide the softmax phase behind the MAC stream (the architecture's
-        target; the RTL core runs the phases back to back).
+        What-if: hide the whole softmax phase behind the MAC stream.  The
+        RTL core (``config.softmax_overlap``) hides part of it instead: the
+        next kv tile's Q·Kᵀ issues in the softmax program's free slots
+        (``softmax_slots``), which the model follows without this flag.
     spill_bytes_per_cycle : int or None
         Baseline: bytes per cycle the array can drain to / load from the spill
         level (default C x 4, one FP32 per PE column per cycle).  ASSUMPTION.
@@ -316,6 +323,17 @@ class Timing:
         if self.softmax_override is not None:
             return "calibrated"
         return "rtl micro-program" if self._rtl(config, head_dim) else "formula (ASSUMPTION)"
+
+    def softmax_slots(self, config: NPUConfig, head_dim: int) -> tuple:
+        """Offsets in the softmax phase where the next kv tile's Q·Kᵀ may
+        issue: the RTL program's ``mac_ok`` slots, within a calibrated
+        softmax's length; none with the what-if ``overlap_softmax`` or
+        without the RTL's programs."""
+        rtl = self._rtl(config, head_dim)
+        if self.overlap_softmax or not rtl:
+            return ()
+        n = self.softmax_cycles(config, head_dim)
+        return tuple(o for o in rtl["softmax_slots"] if o < n)
 
     def softmax_cycles(self, config: NPUConfig, head_dim: int) -> int:
         """Length of the softmax phase of one pair (cycles).
@@ -523,10 +541,11 @@ def _mapping(job: Job, config: NPUConfig, stack_decode: bool):
 
 @functools.lru_cache(maxsize=4096)
 def _pair_stalls(n_kv: int, keys: int, bc: int, gq: int, wql: int, s_cyc: int, sm_cyc: int, pv_cyc: tuple,
-                 latency: int, dma_rows: tuple = (), pingpong: bool = True) -> tuple:
-    """Core waits (WAIT_K / WAIT_V) of one q tile after its first S phase:
-    (cycles the core is delayed, number of waits); the core's stall counter
-    counts one cycle less per wait (the cycle it leaves the wait state).
+                 latency: int, dma_rows: tuple = (), pingpong: bool = True, slots: tuple = ()) -> tuple:
+    """Core waits (WAIT_K / WAIT_V) of one q tile after its first S phase
+    and the Q·Kᵀ cycles hidden in the softmax: (cycles the core is delayed,
+    number of waits, hidden cycles); the core's stall counter counts one
+    cycle less per wait (the cycle it leaves the wait state).
 
     A transaction-level walk of the three resources the NPU chains (time 0 =
     the first S phase starts, kv tile 0 is in the core's K buffer):
@@ -541,7 +560,10 @@ def _pair_stalls(n_kv: int, keys: int, bc: int, gq: int, wql: int, s_cyc: int, s
       buffer j%2 (end of S_{j-2}); V_j after K_j and the release of V buffer
       j%2 (end of P·V_{j-2}); ``wql`` requests per row, one per cycle.
     * core: S_j after P·V_{j-1} and K_j; P·V_j after its softmax and V_j,
-      ``pv_cyc[j]`` cycles.
+      ``pv_cyc[j]`` cycles.  S_j runs ahead in the ``slots`` of the
+      softmax of tile j-1 (offsets from its start) that come once K_j is
+      in, one S cycle (MAC or bubble) per slot; the rest of it follows
+      P·V_{j-1}.
 
     ASSUMPTION: the event rules are read from ``hdl/npu.py`` and
     ``hdl/dma.py``, not fitted; bank conflicts are not modelled.  The RTL at
@@ -549,7 +571,7 @@ def _pair_stalls(n_kv: int, keys: int, bc: int, gq: int, wql: int, s_cyc: int, s
     so only the 32x32 runs test it.
     """
     if n_kv <= 1:
-        return 0, 0
+        return 0, 0, 0
     nks = [min(bc, keys - j * bc) if keys > j * bc else 1 for j in range(n_kv)]
     rows = list(dma_rows) + [0] * (n_kv - len(dma_rows))
     never = -10 ** 9
@@ -563,6 +585,7 @@ def _pair_stalls(n_kv: int, keys: int, bc: int, gq: int, wql: int, s_cyc: int, s
     pv_end[0] = max(s_cyc + sm_cyc, ld_v_end[0]) + pv_cyc[0]
     stall = pv_end[0] - (s_cyc + sm_cyc + pv_cyc[0])
     waits = int(stall > 0)
+    hidden = 0
     last_dma = dma_v[0]
     for j in range(1, n_kv):
         words = rows[j] * gq
@@ -580,13 +603,15 @@ def _pair_stalls(n_kv: int, keys: int, bc: int, gq: int, wql: int, s_cyc: int, s
         ld_k_end[j] = k_start + nks[j] * wql
         v_start = max(ld_k_end[j], dma_v[j], pv_end.get(j - 2, never))
         ld_v_end[j] = v_start + nks[j] * wql
-        s_start = max(pv_end[j - 1], ld_k_end[j])
-        s_end[j] = s_start + s_cyc
+        ahead = min(s_cyc, sum(1 for o in slots if s_end[j - 1] + o >= ld_k_end[j]))
+        hidden += ahead
+        s_start = max(pv_end[j - 1], ld_k_end[j]) if ahead < s_cyc else pv_end[j - 1]
+        s_end[j] = s_start + s_cyc - ahead
         pv_start = max(s_end[j] + sm_cyc, ld_v_end[j])
         pv_end[j] = pv_start + pv_cyc[j]
         stall += (s_start - pv_end[j - 1]) + (pv_start - s_end[j] - sm_cyc)
         waits += int(s_start > pv_end[j - 1]) + int(pv_start > s_end[j] + sm_cyc)
-    return int(stall), waits
+    return int(stall), waits, hidden
 
 
 def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
@@ -689,7 +714,10 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
         return tuple(pv_cycles(int(keys)) for keys in pv_keys(i))
     sm_cyc = t.softmax_cycles(config, d)
     sm_exposed = 0 if t.overlap_softmax else sm_cyc
-    pair_cyc = s_cyc + sm_exposed + pv_cyc
+    # the next kv tile's Q·Kᵀ in the softmax's free slots (hdl/core.py;
+    # the baseline spills S between the phases, so nothing runs ahead)
+    sm_slots = t.softmax_slots(config, d) if design == "register" else ()
+    pair_cyc = s_cyc - min(s_cyc, len(sm_slots)) + sm_exposed + pv_cyc   # a pair in steady state
     init_cyc = t.init_cycles(config, d)
     final_cyc = t.final_cycles(config, d)
     out_cyc = t.out_cycles(config, d)
@@ -802,13 +830,15 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     # (resident: into their slots; streaming: every q tile, through the
     # ping-pong halves); the loader moves LW bytes per cycle
     def walk(rows_of, pingpong):
-        d_sum = e_sum = 0
+        d_sum = e_sum = h_sum = 0
         for i in range(nq):
-            dl, ep = _pair_stalls(int(n_pairs[i]), int(keys_fetched[i]), bc, gq, wql, s_cyc,
-                                  sm_exposed + spill_cyc_pair, pv_tiles(i), lat, rows_of(i), pingpong)
+            dl, ep, hd = _pair_stalls(int(n_pairs[i]), int(keys_fetched[i]), bc, gq, wql, s_cyc,
+                                      sm_exposed + spill_cyc_pair, pv_tiles(i), lat, rows_of(i),
+                                      pingpong, sm_slots)
             d_sum += dl
             e_sum += ep
-        return d_sum, e_sum
+            h_sum += hd
+        return d_sum, e_sum, h_sum
 
     def tile_rows(keys, j):
         return min(bc, keys - j * bc) if keys > j * bc else 1
@@ -829,9 +859,10 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
         rest = walk(lambda i: (), False)
         n_first = job.kv_heads
     else:
-        rest, n_first = (0, 0), units
+        rest, n_first = (0, 0, 0), units
     pair_delay = n_first * first[0] + (units - n_first) * rest[0]
     pair_exits = n_first * first[1] + (units - n_first) * rest[1]
+    hidden_s = n_first * first[2] + (units - n_first) * rest[2]
     pair_stall_total = pair_delay - pair_exits
     wait_exits += pair_exits
     # O read-out: the writer takes a row every od beats and writes it in wol
@@ -880,8 +911,8 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     recip_ops = q_tiles * br
     softmax_cycles = pairs * sm_cyc
     spill_cycles = pairs * spill_cyc_pair
-    total = (pairs * s_cyc + pv_cyc_total + pairs * sm_exposed + q_tiles * qtile_cyc + dma_stall + spill_cycles
-             + drain_cycles + job_cycles)
+    total = (pairs * s_cyc - hidden_s + pv_cyc_total + pairs * sm_exposed + q_tiles * qtile_cyc + dma_stall
+             + spill_cycles + drain_cycles + job_cycles)
 
     # Register-file accesses (4 bytes each), from the core's control words:
     # a MAC slot reads and writes its accumulator; P·V reads the P operand
@@ -950,6 +981,7 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
                   softmax_phase_cycles=sm_cyc, pair_cycles=pair_cyc, drain_cycles=drain_cycles,
                   job_cycles=job_cycles, start_stall_cycles=int(start_stall),
                   pair_stall_cycles=int(pair_stall_total), tail_cycles=int(tail), wait_exits=int(wait_exits),
+                  hidden_s_cycles=int(hidden_s),
                   qtile_cycles=qtile_cyc, spill_cycles_per_pair=spill_cyc_pair,
                   kv_reused=bool(reuse), stacked_decode=bool(stacked))
     return ModelResult(counters=counters, ops=OpDetail(fp32_mul=int(fp32_mul), fp32_add=int(fp32_add),
@@ -1206,6 +1238,8 @@ def calibrate_timing(job: Job, measured: Counters, config: NPUConfig = DEFAULT,
         raise ValueError(f"RTL softmax_cycles={measured.softmax_cycles} is not a multiple of "
                          f"pairs={r.tile_pairs}")
     sm = measured.softmax_cycles // r.tile_pairs
+    # the rest is read with that softmax length (and the Q·Kᵀ it hides)
+    r = model(job, config, "register", timing=t.replace(softmax_override=sm), **model_kw)
     c = r.counters
     other = c.total_cycles - c.mac_busy_cycles - c.softmax_cycles - c.dma_stall_cycles
     per_q_model = t.init_cycles(config, job.head_dim) + t.final_cycles(config, job.head_dim)

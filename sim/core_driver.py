@@ -237,6 +237,7 @@ class CoreRun:
     counters: dict = field(default_factory=dict)
     cycles: int = 0
     o: np.ndarray | None = None                  # final O [valid rows, head_dim] (check_run)
+    overlap: bool = False                        # kv tile j used S block j % 2
 
 
 class CoreDriver:
@@ -323,6 +324,9 @@ class CoreDriver:
         self.run = run = CoreRun()
         n_kv = job.n_kv
         pmask = sum(1 << int(p) for p in pause)
+        # the S and S_RAW pause points stop the core between Q.K^T and the
+        # softmax, so the core runs its phases one after the other then
+        run.overlap = cfg.overlaps_softmax and not {PausePoint.S_RAW, PausePoint.S} & set(pause)
         # Q first (the core waits for it)
         while io.get("full") & (1 << B.Q):
             await self.tick()
@@ -403,12 +407,12 @@ def check_run(job: QTileJob, run: CoreRun, log=print):
     def f32(u):
         return np.asarray(u, np.uint32).view(np.float32)
 
-    def s_block(regs):
-        """[R, C, regs] -> [Br, Bc] uint32 of the S/P registers."""
+    def s_block(regs, p=0):
+        """[R, C, regs] -> [Br, Bc] uint32 of the S/P registers of block ``p``."""
         out = np.zeros((br, bc), np.uint32)
         for a in range(wr):
             for b in range(wc):
-                out[a::wr, b::wc] = regs[:, :, g.S(a, b)]
+                out[a::wr, b::wc] = regs[:, :, g.S(a, b, p)]
         return out
 
     def sp_where(tile, what):
@@ -431,7 +435,7 @@ def check_run(job: QTileJob, run: CoreRun, log=print):
             count += s.size
             continue
         # tile end: P, m, l, O_acc (and every PE's copy of m, l)
-        p = s_block(regs)
+        p = s_block(regs, tile % 2 if run.overlap else 0)
         if (p >> 16).any():
             idx = np.argwhere((p >> 16) != 0)[0]
             raise AssertionError(f"kv tile {tile}: P register of row {idx[0]} col {idx[1]} has "

@@ -14,7 +14,10 @@ def test_defaults_are_the_design_point():
     c = DEFAULT
     assert (c.array_rows, c.array_cols, c.pe_registers, c.br, c.bc, c.max_head_dim) == (32, 32, 64, 64, 64, 128)
     assert (c.rows_per_pe, c.cols_per_pe, c.o_cols_per_pe(128), c.tree_levels) == (2, 2, 4, 5)
-    assert c.registers_needed(128) == 4 + 8 + 6 <= c.pe_registers
+    # S, O_acc, m/l/alpha; the second S block at register 20 (softmax_overlap)
+    assert c.s1_base(128) == 20 and c.registers_needed(128) == 20 + 4 <= c.pe_registers
+    assert c.replace(softmax_overlap=False).registers_needed(128) == 4 + 8 + 6
+    assert c.overlaps_softmax and not c.replace(softmax_overlap=False).overlaps_softmax
     assert c.macs_per_cycle == 1024 and c.peak_flops == 2 * 1024 * 1.5e9
     assert c.o_cols_per_pe(72) == 3 and c.o_cols_per_pe(8) == 1
 
@@ -91,3 +94,13 @@ def test_trefi_must_leave_time_after_trfc_and_trp(clock_hz, trefi_ns, ok):
     else:
         with pytest.raises(ValueError, match=f"dram_trefi_ns={trefi_ns} leaves no time between refreshes"):
             DEFAULT.replace(clock_hz=clock_hz, dram_trefi_ns=trefi_ns)
+
+
+def test_softmax_overlap_where_the_second_s_block_fits():
+    wide = small_config(4, 4, bc=64, max_head_dim=16)       # a 2 x 16 S block per PE
+    assert wide.softmax_overlap is None and not wide.overlaps_softmax
+    assert wide.registers_needed(16) == 32 + 8 + 6
+    with pytest.raises(ValueError, match="needs 96 registers per PE"):
+        small_config(4, 4, bc=64, max_head_dim=16, softmax_overlap=True)
+    with pytest.raises(ValueError, match="softmax_overlap must be True, False or None, not 'yes'"):
+        NPUConfig(softmax_overlap="yes")

@@ -202,5 +202,12 @@ def test_programs_are_complete_and_never_wait():
             assert sum(w["last"] for w in prog) == 1
             hd = min(od * cfg.array_cols, cfg.max_head_dim)
             walked = rtl_program_cycles(cfg, hd)
+            slots = tuple(c for c, w in enumerate(prog) if w["mac_ok"])
             assert walked == {"init": len(init_program(cfg, od)), "softmax": len(prog),
-                              "final": len(final_program(cfg, od))}, (cfg.array_rows, od)
+                              "final": len(final_program(cfg, od)), "softmax_slots": slots}, \
+                (cfg.array_rows, od)
+            # the program on S block 1 is the same schedule on other registers
+            prog1 = softmax_program(cfg, od, 1)
+            assert [(w["ctl"]["op"], w["mac_ok"]) for w in prog1] == [(w["ctl"]["op"], w["mac_ok"]) for w in prog]
+            assert all(PeOp(w["ctl"]["op"]) == PeOp.NOP for w in prog if w["mac_ok"])
+            assert slots, (cfg.array_rows, od)

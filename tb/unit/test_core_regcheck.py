@@ -45,7 +45,8 @@ def _run(jobs):
 def test_register_lifetimes():
     g = RegMap(CFG2)
     per_tile = set(tile_registers(CFG2))
-    assert per_tile == ({g.S(a, b) for a in range(g.wr) for b in range(g.wc)}
+    assert CFG2.overlaps_softmax
+    assert per_tile == ({g.S(a, b, p) for p in (0, 1) for a in range(g.wr) for b in range(g.wc)}
                         | {g.ALPHA(a) for a in range(g.wr)})
     carried = {g.M(a) for a in range(g.wr)} | {g.L(a) for a in range(g.wr)} | \
               {g.O(a, n) for a in range(g.wr) for n in range(g.od)}
@@ -54,6 +55,7 @@ def test_register_lifetimes():
     assert register_name(CFG2, g.M(1)) == "m_i(a=1)"
     assert register_name(CFG2, g.S(1, 0)) == "S(a=1, b=0)"
     assert register_name(CFG2, g.O(0, 1)) == "O_acc(a=0, n=1)"
+    assert register_name(CFG2, g.S(1, 0, 1)) == "S(a=1, b=0, block 1)"
     with pytest.raises(ValueError, match="64"):
         register_name(CFG2, 64)
 
@@ -74,10 +76,10 @@ def test_register_check_fires_only_on_injection():
     assert isinstance(skip, RegisterCheckError), skip
     assert (skip.reg, skip.phase, skip.tile) == (g.M(0), Phase.SM, 0)
     assert "m_i(a=0)" in str(skip) and "read before it was written" in str(skip)
-    # dropped first S write of kv tile 1: S(0, 0) was written in tile 0 but is
-    # per-tile, so the k = 1 step of tile 1 reads an unwritten register
+    # dropped first S write of kv tile 1 (S block 1, its Q.K^T running ahead
+    # in tile 0's softmax): the k = 1 step of tile 1 reads an unwritten register
     assert isinstance(drop, RegisterCheckError), drop
-    assert (drop.reg, drop.phase, drop.tile) == (g.S(0, 0), Phase.S, 1)
+    assert (drop.reg, drop.phase, drop.tile) == (g.S(0, 0, 1), Phase.S, 1)
 
 
 def test_register_check_catches_a_pending_write():
