@@ -173,9 +173,7 @@ def tile_registers(config: NPUConfig) -> list:
     starts and alpha when its softmax starts.  The others (m_i, l_i, O_acc)
     live for the q tile."""
     g = RegMap(config)
-    blocks = (0, 1) if g.overlap else (0,)
-    return ([g.S(a, b, p) for p in blocks for a in range(g.wr) for b in range(g.wc)]
-            + [g.ALPHA(a) for a in range(g.wr)])
+    return [i for p in g.blocks for i in g.s_block(p)] + [g.ALPHA(a) for a in range(g.wr)]
 
 
 def register_name(config: NPUConfig, index: int) -> str:
@@ -520,7 +518,6 @@ class Core(wiring.Component):
         ov = Signal()                          # overlap on for this command
         ahead_done = Signal()                  # Q.K^T of tile + 1 is complete
         ins = Signal()                         # an S step of tile + 1 issues now
-        s_issue = Signal()                     # an S step issues now
         s_par = Signal()                       # its S block
         s_first = Signal()                     # it is the first step of its tile
         enter_sm = Signal()                    # a softmax program starts
@@ -549,7 +546,10 @@ class Core(wiring.Component):
         k_sel = Mux(half, 1 << BufSel.K1, 1 << BufSel.K0)
         v_sel = Mux(half, 1 << BufSel.V1, 1 << BufSel.V0)
         k_ok = ((full & k_sel) != 0) & full[BufSel.Q]
-        kn_ok = ((full & Mux(half, 1 << BufSel.K0, 1 << BufSel.K1)) != 0) & full[BufSel.Q]
+        kn_sel = Mux(half, 1 << BufSel.K0, 1 << BufSel.K1)     # K half of tile + 1
+        kn_ok = ((full & kn_sel) != 0) & full[BufSel.Q]
+        par = ov & half                        # S block of this tile and of tile + 1
+        par_n = ov & ~half
         v_ok = (full & v_sel) != 0
         m_ok = ~cmd.mask_en | full[BufSel.MASK]
 
@@ -600,18 +600,19 @@ class Core(wiring.Component):
         clear = Signal(3 * wr)
         m.d.sync += ready.eq((ready | arrive) & ~clear)
         ready_now = ready | arrive
+        rom_stall = word.wait & ~ready_now.bit_select(word.ctl.ret_sel, 1)
 
         s = SimpleNamespace(
             cmd=cmd, od=od, full=full, release=release_o, release_s=release_s, pc=pc, word=word,
             base=base, phase=phase, resume_to=resume_to, resume_pc=resume_pc, pause_at=pause_at,
             tile=tile, vis_d=vis_d, vis_e=vis_e, vis_f=vis_f, vis_dn=vis_dn, vis_en=vis_en,
             k=k, kc=kc, kb=kb, a=a, n=n, sk=sk, sa=sa, sb=sb, gap_sl=gap_sl, ov=ov,
-            ahead_done=ahead_done, ins=ins, s_issue=s_issue, s_par=s_par, s_first=s_first,
-            enter_sm=enter_sm, kn_ok=kn_ok,
+            ahead_done=ahead_done, ins=ins, s_par=s_par, s_first=s_first,
+            enter_sm=enter_sm, kn_sel=kn_sel, kn_ok=kn_ok, par=par, par_n=par_n,
             half=half, k_sel=k_sel, v_sel=v_sel, k_ok=k_ok, v_ok=v_ok, m_ok=m_ok,
             iss=iss, iss_a=iss_a, iss_b=iss_b, iss_k=iss_k, iss_n=iss_n, iss_kc=iss_kc,
             sa_pv=sa_pv, use_pv_sa=use_pv_sa, o_r=o_r, o_a=o_a, o_n=o_n, primed=primed,
-            enter_s=enter_s, accept=accept, ready_now=ready_now, clear=clear, gap=gap, gap_pv=gap_pv,
+            enter_s=enter_s, accept=accept, rom_stall=rom_stall, clear=clear, gap=gap, gap_pv=gap_pv,
             pv_last=pv_last,
             quiet=s_quiet, ctl_op=ctl_op)
         self._phase_fsm(m, s)
@@ -658,11 +659,11 @@ class Core(wiring.Component):
         with m.If(s.gap_sl != 0):
             m.d.sync += s.gap_sl.eq(s.gap_sl - 1)
         with m.Else():
-            par = s.ov & (~s.tile[0] if ahead else s.tile[0])
+            par = s.par_n if ahead else s.par
             reg = Mux(par, g.s1_base, 0) | (sa * wc + sb)
             m.d.comb += [iss.op.eq(PeOp.MAC), iss.ra.eq(reg), iss.wa.eq(reg), iss.first.eq(sk == 0),
-                         s.iss_a.eq(sa), s.iss_b.eq(sb), s.iss_k.eq(sk), s.s_issue.eq(1),
-                         s.s_par.eq(par), s.s_first.eq((sk == 0) & (sa == 0) & (sb == 0))]
+                         s.iss_a.eq(sa), s.iss_b.eq(sb), s.iss_k.eq(sk), s.s_par.eq(par),
+                         s.s_first.eq((sk == 0) & (sa == 0) & (sb == 0))]
             if ahead:
                 m.d.comb += s.ins.eq(1)
             last_b = sb == wc - 1
@@ -678,7 +679,7 @@ class Core(wiring.Component):
                             m.d.sync += s.gap_sl.eq(gap_s(cfg))
             with m.If(last_b & last_a & last_k):
                 t_last = (s.tile + 2 if ahead else s.tile + 1) == cmd.n_kv
-                k_rel = (Mux(s.half, 1 << BufSel.K0, 1 << BufSel.K1) if ahead else s.k_sel)
+                k_rel = s.kn_sel if ahead else s.k_sel
                 m.d.comb += s.release_s.eq(k_rel | Mux(t_last, 1 << BufSel.Q, 0))
                 if ahead:
                     m.d.sync += s.ahead_done.eq(1)
@@ -706,7 +707,7 @@ class Core(wiring.Component):
         with m.If(last_tile):
             m.d.comb += nxt.eq(Phase.FINAL)
         with m.Elif(s.ahead_done):
-            m.d.comb += [nxt.eq(Phase.WAIT_M), nxt_pc.eq(self._sm_base(s, s.ov & ~s.tile[0]))]
+            m.d.comb += [nxt.eq(Phase.WAIT_M), nxt_pc.eq(self._sm_base(s, s.par_n))]
         with m.Elif(s_mid):
             m.d.comb += nxt.eq(Phase.S)
         with m.Else():
@@ -715,7 +716,7 @@ class Core(wiring.Component):
             m.d.sync += [phase.eq(Phase.PAUSED), s.resume_to.eq(nxt),
                          s.pause_at.eq(PausePoint.TILE), s.resume_pc.eq(nxt_pc)]
         with m.Elif(~last_tile & s.ahead_done):
-            self._enter_sm(m, s, s.ov & ~s.tile[0])
+            self._enter_sm(m, s, s.par_n)
         with m.Elif(~last_tile & ~s_mid & s.kn_ok):
             self._start_s(m, s)                # back-to-back tiles: no bubble
         with m.Else():
@@ -725,9 +726,7 @@ class Core(wiring.Component):
         """Issue the ROM word at ``pc`` unless it waits for a return value;
         ``on_last`` adds the actions of the program's last word."""
         word, pc = s.word, s.pc
-        stall = word.wait & ~s.ready_now.bit_select(word.ctl.ret_sel, 1)
-        s.rom_stall = stall
-        with m.If(~stall):
+        with m.If(~s.rom_stall):
             m.d.comb += [s.iss.eq(word.ctl), s.iss_a.eq(word.a), s.iss_b.eq(word.b)]
             with m.If((word.ctl.tree != TreeOp.NONE) | word.ctl.rcp):
                 m.d.comb += s.clear.eq(_onehot(word.ctl.tag, 3 * self.regs.wr))
@@ -808,7 +807,7 @@ class Core(wiring.Component):
                     m.d.comb += [iss.op.eq(PeOp.MAC), iss.ra.eq(g.o_base + a * odm + n),
                                  iss.wa.eq(g.o_base + a * odm + n), iss.skipz.eq(1), iss.pv.eq(1),
                                  s.iss_a.eq(a), s.iss_k.eq(k), s.iss_n.eq(n), s.iss_kc.eq(kc),
-                                 s.sa_pv.eq(Mux(s.ov & tile[0], g.s1_base, 0) | (a * wc + kb)),
+                                 s.sa_pv.eq(Mux(s.par, g.s1_base, 0) | (a * wc + kb)),
                                  s.use_pv_sa.eq(1)]
                     last_n = n == s.od - 1
                     last_a = a == wr - 1
@@ -1012,8 +1011,7 @@ class Core(wiring.Component):
         NR = cfg.pe_registers
         written = Signal(NR)
         g = self.regs
-        block_mask = [sum(1 << g.S(a, b, p) for a in range(g.wr) for b in range(g.wc))
-                      for p in ((0, 1) if g.overlap else (0,))]
+        block_mask = [sum(1 << i for i in g.s_block(p)) for p in g.blocks]
         alpha_mask = sum(1 << g.ALPHA(a) for a in range(g.wr))
         wstage = {op: t.write for op, t in OP_TIMING.items() if t.write is not None}
         n_st = max(wstage.values()) + 1

@@ -155,6 +155,8 @@ class RegMap:
         self.alpha_base = self.l_base + self.wr
         self.overlap = config.overlaps_softmax
         self.s1_base = config.s1_base(config.max_head_dim) if self.overlap else 0
+        #: the S blocks the PE has (1 with ``softmax_overlap``)
+        self.blocks = (0, 1) if self.overlap else (0,)
         self.used = need
 
     def S(self, a, b, p=0):
@@ -163,6 +165,10 @@ class RegMap:
         if p and not self.overlap:
             raise ValueError("the second S block needs softmax_overlap")
         return (self.s1_base if p else 0) + a * self.wc + b
+
+    def s_block(self, p=0):
+        """Registers of S block ``p``, row-major (a, b)."""
+        return [self.S(a, b, p) for a in range(self.wr) for b in range(self.wc)]
 
     def O(self, a, n):
         return self.o_base + a * self.od + n
