@@ -548,8 +548,8 @@ class Core(wiring.Component):
         k_ok = ((full & k_sel) != 0) & full[BufSel.Q]
         kn_sel = Mux(half, 1 << BufSel.K0, 1 << BufSel.K1)     # K half of tile + 1
         kn_ok = ((full & kn_sel) != 0) & full[BufSel.Q]
-        par = ov & half                        # S block of this tile and of tile + 1
-        par_n = ov & ~half
+        par = ov & half                        # S block of this tile
+        par_n = ov & ~half                     # S block of tile + 1
         v_ok = (full & v_sel) != 0
         m_ok = ~cmd.mask_en | full[BufSel.MASK]
 

@@ -155,7 +155,7 @@ class RegMap:
         self.alpha_base = self.l_base + self.wr
         self.overlap = config.overlaps_softmax
         self.s1_base = config.s1_base(config.max_head_dim) if self.overlap else 0
-        #: the S blocks the PE has (1 with ``softmax_overlap``)
+        #: the S blocks the PE has: (0, 1) with ``softmax_overlap``, else (0,)
         self.blocks = (0, 1) if self.overlap else (0,)
         self.used = need
 
