@@ -87,7 +87,7 @@ def sim_speed(full: bool, flat: bool = False, x_unique: bool = False) -> list:
     ``flat`` adds the replay of a fully flat 32x32 build with 2 threads (a
     build of about 15 minutes); ``x_unique`` the 32x32 replay (1 thread) of a
     build with ``--x-assign unique --x-initial unique`` (the X handling of
-    the testbench's ``x_seed`` runs) beside the default ``fast``."""
+    every testbench build) beside the replay's default ``fast``."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="flashnpu-speed-") as tmp:
         for label, config, job_kw, icarus_kw in SPEED_POINTS:

@@ -75,10 +75,11 @@ def array_config(rows: int, cols: int) -> NPUConfig:
         return DEFAULT
     try:
         # Br = 2R, Bc = 2C; max_head_dim: the largest multiple of 8 up to the
-        # default that fits the PE register budget of this array size (with
-        # one S block: the softmax overlap is then on where its second fits)
+        # default that fits the PE register budget of this array size with
+        # the design point's softmax overlap, i.e. its second S block (4 x 4:
+        # 96, where one S block alone would hold 104)
         cfg = NPUConfig(array_rows=rows, array_cols=cols, br=2 * rows,
-                        bc=2 * cols, max_head_dim=8, softmax_overlap=False)
+                        bc=2 * cols, max_head_dim=8, softmax_overlap=True)
         fits = [d for d in range(8, DEFAULT.max_head_dim + 1, 8)
                 if cfg.registers_needed(d) <= cfg.pe_registers]
         return cfg.replace(max_head_dim=fits[-1], softmax_overlap=None)

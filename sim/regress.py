@@ -675,7 +675,7 @@ def run_regression(specs: list[dict], config: NPUConfig, workers: int = 1, addre
     rows_cols = rows_cols or (config.array_rows, config.array_cols)
     # local workers share this machine's cores: single-threaded models (rtl_backend.sim_threads)
     with fixed_threads(1) if workers > 1 and address is None else contextlib.nullcontext():
-        build_npu(config, sim=sim, quiet=True, x_random=x_seed is not None)
+        build_npu(config, sim=sim, quiet=True)
     info = dict(engine="in-process", workers=1, address=None, build_s=round(time.time() - t0, 2), x_seed=x_seed)
     records: list[dict | None] = [None] * len(specs)
     bar = tqdm(total=len(specs), desc="regress", unit="job", disable=not progress, dynamic_ncols=True)

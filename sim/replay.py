@@ -106,8 +106,8 @@ def build_replay(config: NPUConfig, threads: int = 1, hierarchical: bool = True,
     ``threads``: Verilator ``--threads``; ``hierarchical``: ``--hierarchical``
     (the PE row as a separately compiled block); ``cflags``: the C++
     optimisation (Verilator's own default is ``-Os``); ``x_unique``: X
-    handling ``--x-assign unique --x-initial unique`` (what ``x_random``
-    builds of the testbench use) instead of ``fast``.
+    handling ``--x-assign unique --x-initial unique`` (what every Verilator
+    build of the testbench uses) instead of ``fast``.
 
     Raises
     ------

@@ -235,10 +235,9 @@ def verilator_args(config: NPUConfig, hierarchical: bool = True) -> list[str]:
 
 
 def build_npu(config: NPUConfig, sim: str = "verilator", waves=False, quiet: bool = False,
-              x_random: bool = False, hierarchical: bool = True):
+              hierarchical: bool = True):
     """Build (or reuse) the NPU model for ``sim_config(config)``; returns the runner's handle.
     ``quiet``: the simulator build's output goes to ``build.log`` in the build folder;
-    ``x_random``: a Verilator model with random power-up values (``runner.build``);
     ``hierarchical``: Verilator builds the PE row as a hierarchical block
     (default; a model with waves keeps PE row ``WAVE_ROW`` out of it) or,
     False, everything flat (the 32 x 32 NPU: over half an hour and an
@@ -257,7 +256,7 @@ def build_npu(config: NPUConfig, sim: str = "verilator", waves=False, quiet: boo
                         waves=waves, key=f"npu-flat-row{WAVE_ROW}" if flat else "npu", verilog_text=text,
                         meta={"regmap": register_map(scfg).to_dict()},
                         build_args=verilator_args(scfg, hier) if sim == "verilator" else None, quiet=quiet,
-                        x_random=x_random, dram_word=word_bytes(scfg), dram_channels=scfg.dram_channels,
+                        dram_word=word_bytes(scfg), dram_channels=scfg.dram_channels,
                         traced=f"the top model and PE row {WAVE_ROW}" if flat else None)
 
 
@@ -371,7 +370,7 @@ def run_jobs(jobs, config: NPUConfig, sim: str = "verilator", waves=None, seed: 
     ``quiet``: cocotb's output goes to ``cocotb.log`` in the work folder
     (its tail is shown when a run fails).  ``x_seed`` (Verilator): every
     register and memory word powers up random from this seed instead of 0
-    (a separate build); results must not change.  ``hierarchical``: see
+    (the same build); results must not change.  ``hierarchical``: see
     ``build_npu``.  Every job is known up front; a
     caller that makes jobs one at a time (the driver) uses ``NPUSession``.
 
@@ -382,7 +381,7 @@ def run_jobs(jobs, config: NPUConfig, sim: str = "verilator", waves=None, seed: 
         the message ends with the tail of the log.
     """
     wopts = waves if isinstance(waves, WaveOptions) else bool(waves)
-    h = build_npu(config, sim=sim, waves=wopts, x_random=x_seed is not None, hierarchical=hierarchical)
+    h = build_npu(config, sim=sim, waves=wopts, hierarchical=hierarchical)
     tmp = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="flashnpu-npu-"))
     tmp.mkdir(parents=True, exist_ok=True)
     specs = [_job_spec(job, str(i), tmp, config, seed + i) for i, job in enumerate(jobs)]
@@ -484,7 +483,7 @@ class NPUSession:
         self.dir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="flashnpu-npu-session-"))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.log_file = self.dir / "cocotb.log"
-        self._handle = build_npu(config, sim=sim, quiet=True, x_random=x_seed is not None)
+        self._handle = build_npu(config, sim=sim, quiet=True)
         self._build_info = _build_info(self._handle)
         for name in ("req.fifo", "rsp.fifo"):
             (self.dir / name).unlink(missing_ok=True)

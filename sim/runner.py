@@ -31,13 +31,14 @@ lives in one place:
   the testbench maps the same bytes with ctypes (symbols exported with
   ``-rdynamic``) and falls back to its Python server for random response
   delays.
-* Initial values: Verilator builds start every variable at 0
-  (``--x-initial fast``) unless ``build(..., x_random=True)``: then
-  ``--x-initial unique --x-assign unique``, and ``run_cocotb(...,
-  x_seed=S)`` gives every register and memory word a random power-up value
+* Initial values: Verilator builds use ``--x-initial unique --x-assign
+  unique``, so every variable and X assignment starts at 0 by default
+  (``+verilator+rand+reset+0``), and ``run_cocotb(..., x_seed=S)`` gives
+  every register and memory word of the same build a random power-up value
   from seed S (``+verilator+rand+reset+2``), so a missing reset shows up as
-  a result that changes with S.  Icarus is 4-state: X until reset or
-  written.
+  a result that changes with S.  One build serves both, at the speed of
+  ``fast`` (README, "Simulator speed").  Icarus is 4-state: X until reset
+  or written.
 """
 
 from __future__ import annotations
@@ -272,7 +273,8 @@ class BuildHandle:
     config_json : the NPUConfig as JSON (passed to tests as FLASHNPU_CONFIG)
     waves : False, True (cocotb's full dump) or the WaveOptions it was built for
     meta : free-form information from the caller (JSON-able)
-    x_random : built for random power-up values (``run_cocotb``'s ``x_seed``)
+    x_random : whether ``run_cocotb``'s ``x_seed`` can randomise the power-up
+        values (every Verilator build)
     """
 
     sim: str
@@ -282,14 +284,17 @@ class BuildHandle:
     config_json: str
     waves: bool | WaveOptions = False
     meta: dict = field(default_factory=dict)
-    x_random: bool = False
+
+    @property
+    def x_random(self) -> bool:
+        return self.sim == "verilator"
 
 
 def build(top_factory: Callable[[], object], config, name: str, sim: str = "verilator",
           waves: bool | WaveOptions = False, key: str = "",
           verilog_text: Callable[[object], str] | None = None,
           meta: dict | None = None, build_args: list[str] | None = None,
-          quiet: bool = False, x_random: bool = False, dram_word: int | None = None,
+          quiet: bool = False, dram_word: int | None = None,
           dram_channels: int = 1, traced: str | None = None) -> BuildHandle:
     """Generate Verilog for ``top_factory()`` and build it once per configuration.
 
@@ -313,9 +318,6 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
     quiet : bool
         Send the simulator build's output to ``build.log`` in the build folder
         instead of stdout (e.g. under ``flashnpu decode --json``).
-    x_random : bool
-        Verilator: power-up values and X assignments random per run
-        (``run_cocotb``'s ``x_seed``) instead of 0; ignored by Icarus.
     dram_word : int, optional
         Verilator: link the DRAM storage of ``sim/dram_hook.cpp`` (words of
         this many bytes) into the simulator's main loop, so the top's
@@ -356,9 +358,8 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
                            + ("; install Icarus with `apt-get install iverilog`" if sim == "icarus" else ""))
     setup_simulator_env()
     cfg_json = config.to_json() if config is not None else "{}"
-    x_random = bool(x_random) and sim == "verilator"
-    x_args = ["--x-assign", "unique", "--x-initial", "unique"] if x_random else \
-        ["--x-assign", "fast", "--x-initial", "fast"]
+    # power-up values 0, or random per run (run_cocotb's x_seed): module docstring
+    x_args = ["--x-assign", "unique", "--x-initial", "unique"] if sim == "verilator" else []
     wkey = waves.build_key(sim) if windowed else str(bool(waves))
     simkey = [_ICARUS_TEXT_VERSION] if sim == "icarus" else []
     if hier:
@@ -443,7 +444,7 @@ def build(top_factory: Callable[[], object], config, name: str, sim: str = "veri
     if windowed:
         check_scopes(waves, vfile.read_text(), name)       # also for a cached build
     return BuildHandle(sim=sim, toplevel=name, build_dir=bdir / "sim", verilog=vfile,
-                       config_json=cfg_json, waves=waves, meta=info.get("meta", {}), x_random=x_random)
+                       config_json=cfg_json, waves=waves, meta=info.get("meta", {}))
 
 
 def run_cocotb(handle: BuildHandle, test_module: str, testcase=None, extra_env: dict | None = None,
@@ -456,14 +457,14 @@ def run_cocotb(handle: BuildHandle, test_module: str, testcase=None, extra_env: 
     ``waves`` (default: what the handle was built with) may give another
     ``WaveOptions`` for a model built with one -- any window and depth; the
     scope too under Verilator -- or False to run without dumping.
-    ``x_seed`` (a positive int; a Verilator build made with ``x_random``):
-    the seed of the random power-up values.
+    ``x_seed`` (a positive int; a Verilator build): the seed of the random
+    power-up values.
 
     Raises
     ------
     AssertionError when any cocotb test failed (the message names how many).
     ValueError when ``waves`` asks for something the build cannot dump, or
-    ``x_seed`` is given for a build without random power-up values.
+    ``x_seed`` is not a positive int or the build is not Verilator's.
     """
     # deferred: cocotb_tools is only needed when a simulator runs
     from cocotb_tools.check_results import get_results
@@ -487,8 +488,7 @@ def run_cocotb(handle: BuildHandle, test_module: str, testcase=None, extra_env: 
         plusargs = opts.plusargs(handle.toplevel)
     if x_seed is not None:
         if not handle.x_random or isinstance(x_seed, bool) or not isinstance(x_seed, int) or x_seed < 1:
-            raise ValueError(f"x_seed={x_seed!r} needs a positive int and a Verilator build made "
-                             "with x_random=True")
+            raise ValueError(f"x_seed={x_seed!r} needs a positive int and a Verilator build")
         plusargs = plusargs + ["+verilator+rand+reset+2", f"+verilator+seed+{x_seed}"]
     runner = _get_runner(handle.sim, vvp_format=opts.fmt if plusargs and handle.sim == "icarus"
                          else None)

@@ -9,6 +9,7 @@ import pytest
 
 from flashnpu.cli import main
 from flashnpu.golden import assert_bit_exact, flash_attention_hw
+from flashnpu.sim.cli import array_config
 
 
 def f16(seed, *shape):
@@ -96,11 +97,13 @@ def test_missing_file_and_console_script(tmp_path):
 
 
 def test_small_array_sizes(capsys):
-    # 4x4: Br = Bc = 8, max_head_dim cut to what 64 registers per PE hold (104)
+    # 4x4: Br = Bc = 8, max_head_dim cut to what 64 registers per PE hold
+    # with the softmax overlap's second S block (96)
+    assert array_config(4, 4).overlaps_softmax
     assert main(["sim", "--rows", "4", "--cols", "4", "--heads", "1", "--seq-q", "20",
-                 "--head-dim", "104", "--json"]) == 0
+                 "--head-dim", "96", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["array"] == "4x4"
-    assert main(["sim", "--rows", "4", "--cols", "4", "--head-dim", "112"]) == 2
-    assert "head_dim=112 is above the hardware maximum 104" in capsys.readouterr().err
+    assert main(["sim", "--rows", "4", "--cols", "4", "--head-dim", "104"]) == 2
+    assert "head_dim=104 is above the hardware maximum 96" in capsys.readouterr().err
     assert main(["sim", "--rows", "3"]) == 2
     assert "array_rows must be a power of 2, not 3" in capsys.readouterr().err

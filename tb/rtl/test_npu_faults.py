@@ -20,18 +20,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashnpu.config import small_config
 from flashnpu.golden import flash_attention_hw
 from flashnpu.hdl.core import Inject, register_name
 from flashnpu.hdl.npu import NPUError, register_map, sim_config
 from flashnpu.hdl.pe import RegMap
 from flashnpu.sim import runner
 from flashnpu.sim.case import random_case
+from flashnpu.sim.cli import array_config
 from flashnpu.sim.rtl_backend import run_jobs
 
 pytestmark = pytest.mark.rtl
 
-CFG4 = small_config(4, 4)
+#: the 4 x 4 NPU of `flashnpu sim --rows 4 --cols 4` (one build with the regression tests)
+CFG4 = array_config(4, 4)
 RM = register_map(sim_config(CFG4))
 N, S = CFG4.tsv_data_lanes, CFG4.tsv_spare_lanes
 DEBUG = {f.name: f.offset for f in RM["debug"].fields}

@@ -112,8 +112,6 @@ def test_two_local_workers_same_records(run1):
             (b["o_sha256"], b["counters"], b["tsv"], b["error"])
 
 
-# slow: builds of its own (several minutes on 2 cores); runs in `make test-all`
-@pytest.mark.slow
 @pytest.mark.parametrize("x_seed", [3, 4])
 def test_random_power_up_same_records(run1, x_seed):
     """Item 4 of the verification plan: the same jobs on a model whose

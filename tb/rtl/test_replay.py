@@ -17,15 +17,16 @@ import os
 import numpy as np
 import pytest
 
-from flashnpu.config import small_config
 from flashnpu.golden import assert_bit_exact, flash_attention_hw
 from flashnpu.sim import replay, runner
 from flashnpu.sim.case import random_case
+from flashnpu.sim.cli import array_config
 from flashnpu.sim.rtl_backend import run_jobs
 
 pytestmark = pytest.mark.rtl
 
-CFG = small_config(4, 4)
+#: the 4 x 4 NPU of `flashnpu sim --rows 4 --cols 4` (one build with the regression tests)
+CFG = array_config(4, 4)
 
 
 @pytest.fixture(scope="module")
