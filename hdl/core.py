@@ -72,8 +72,11 @@ and, per kv tile j, for K/V half j % 2 (and the mask buffer when
 V after P.V and Q after the last S phase, so a loader can refill a half
 while the other computes.  A buffer becomes full with the ``last`` row
 write; writes never stall.  After the last tile O is normalised and
-streamed out as ``Br * od`` beats (``CoreOut``): beat (row, n) carries
-O[row, od*c + n] in lane c for every PE column c.  That is the array's
+streamed out as ``rows * od`` beats (``CoreOut``), where rows = min(Br,
+seq_q - q_row0) are the q tile's valid rows: the read-out stops after the
+last one, so a partial q tile, or a decode tile of a few stacked query
+heads, costs only its rows.  Beat (row, n) carries O[row, od*c + n] in
+lane c for every PE column c.  That is the array's
 natural layout (each PE column supplies one lane per cycle); a row-major
 max_head_dim-lane beat would need an od-deep reassembly buffer and a
 run-time lane permutation, and a DMA with a 2-D descriptor (stride od)
@@ -358,7 +361,8 @@ class Core(wiring.Component):
     full : Out(len(BufSel))
         Buffer full flags, bit ``BufSel``.
     o : Out(stream.Signature(out_layout))
-        Normalised O, ``Br * od`` beats (row-major, n fastest), valid/ready.
+        Normalised O, ``rows * od`` beats (rows = min(Br, seq_q - q_row0),
+        row-major, n fastest), valid/ready.
     phase : Out(Phase); busy, paused, done (1-cycle pulse at the end), err : Out(1)
     pause_at : Out(PausePoint); tile : Out(LEN_BITS) (current kv tile)
     resume : In(1)
@@ -850,7 +854,12 @@ class Core(wiring.Component):
         nx_n = Signal.like(o_n)
         nx_a = Signal.like(o_a)
         nx_r = Signal.like(o_r)
-        last_beat = (o_n == od - 1) & (o_a == wr - 1) & (o_r == R - 1)
+        # the read-out stops after the q tile's last valid row (seq_q - q_row0,
+        # at most Br, at least one row): rows after it hold no query
+        f = s.vis_f
+        o_last = Signal(range(self.config.br))
+        m.d.sync += o_last.eq(Mux(f >= self.config.br, self.config.br - 1, Mux(f < 1, 0, f - 1)))
+        last_beat = (o_n == od - 1) & (o_r * wr + o_a == o_last)
         m.d.comb += [
             nx_n.eq(Mux(o_n == od - 1, 0, o_n + 1)),
             nx_a.eq(Mux(o_n == od - 1, Mux(o_a == wr - 1, 0, o_a + 1), o_a)),

@@ -151,7 +151,7 @@ class OWriter(wiring.Component):
                 with m.If(beat.row < ob_nq):
                     m.d.sync += [asm_full.eq(1), asm_row.eq(beat.row), asm_last.eq(beat.row == ob_nq - 1),
                                  asm_reg.eq(ob_t[0])]
-                with m.If(beat.row == Br - 1):
+                with m.If(beat.row == ob_nq - 1):     # the core streams the valid rows only
                     m.d.sync += ob_t.eq(ob_t + 1)
         return m
 

@@ -611,7 +611,7 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
                       tmr.source(cfg, 128).replace("calibrated", "program")],
                      ["final (1/l, O scaling)", tmr.final_cycles(cfg, 128), "q tile",
                       tmr.source(cfg, 128) + " + reciprocal latency 27"],
-                     ["O read-out", tmr.out_cycles(cfg, 128), "q tile", "Br·od beats + 1"],
+                     ["O read-out", tmr.out_cycles(cfg, 128), "full q tile", "valid rows·od beats + 1"],
                      ["wait for Q + first K/V", q1["start_stall"], "job (first q tile)",
                       "DRAM latency + the DMA's Q and K_0 words + the loader's requests, fixed part fitted "
                       "on the RTL (`Timing.first_tile_fixed_cycles`)"],

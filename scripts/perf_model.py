@@ -15,7 +15,8 @@ holding a wr x wc block of S and a wr x od block of O_acc, od = ceil(d / C))::
     per q tile : init (m, l, O_acc)                                 [core INIT]
     per pair   : S phase d·wr·wc + softmax program + PV keys·wr·od  [S, SM, PV]
                  (keys: up to the tile's last key a valid row sees, <= Bc)
-    per q tile : final (reciprocal, O = O_acc/l) + read-out Br·od+1 [FINAL, OUT]
+    per q tile : final (reciprocal, O = O_acc/l) + read-out rows·od+1 [FINAL, OUT]
+                 (rows: the q tile's valid rows, <= Br)
     plus the cycles the core waits for a tile buffer (DMA stall)    [WAIT_*]
 
     baseline ("ordinary NPU"): after Q·Kᵀ the S tile (FP32) is drained to
@@ -43,8 +44,9 @@ Every ASSUMPTION is marked where it is made.  The main ones:
 
 * the phases of a pair run back to back (the core does; the architecture's
   target of hiding the softmax is ``Timing.overlap_softmax``);
-* a q tile always costs a full tile of cycles, however few of its rows are
-  valid (decode: 3 valid rows of 64 still take a full tile);
+* a q tile costs a full tile of MAC and softmax cycles, however few of its
+  rows are valid (decode: 3 valid rows of 64 still take a full tile); only
+  its read-out stops after the last valid row;
 * padding keys and rows are neither fetched from DRAM nor read from SRAM
   (masked keys never touch the result), but their Q·Kᵀ MAC and exp2 slots
   are executed and counted; P·V stops after the tile's last key that a
@@ -377,11 +379,14 @@ class Timing:
         wr, od = config.rows_per_pe, config.o_cols_per_pe(head_dim)
         return wr * (2 + self.recip_cycles + od)
 
-    def out_cycles(self, config: NPUConfig, head_dim: int) -> int:
-        """O read-out of one q tile: Br·od beats of C FP32 lanes, + 1 priming cycle."""
+    def out_cycles(self, config: NPUConfig, head_dim: int, rows: int | None = None) -> int:
+        """O read-out of one q tile with ``rows`` valid rows (default Br): rows·od
+        beats of C FP32 lanes, + 1 priming cycle (the core stops after the
+        last valid row)."""
         od = config.o_cols_per_pe(head_dim)
+        rows = config.br if rows is None else rows
         bw = self.readout_bytes_per_cycle or config.array_cols * FP32
-        return -(-config.br * od * config.array_cols * FP32 // bw) + 1
+        return -(-rows * od * config.array_cols * FP32 // bw) + 1
 
     def replace(self, **changes) -> "Timing":
         return dataclasses.replace(self, **changes)
@@ -720,8 +725,8 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     pair_cyc = s_cyc - min(s_cyc, len(sm_slots)) + sm_exposed + pv_cyc   # a pair in steady state
     init_cyc = t.init_cycles(config, d)
     final_cyc = t.final_cycles(config, d)
-    out_cyc = t.out_cycles(config, d)
-    qtile_cyc = init_cyc + final_cyc + out_cyc + t.qtile_gap_cycles   # per q tile, outside pairs
+    out_cyc = np.array([t.out_cycles(config, d, int(r)) for r in valid_rows], dtype=np.int64)
+    qtile_cyc = init_cyc + final_cyc + t.qtile_gap_cycles   # per q tile, outside pairs and read-out
 
     # Byte counters count bus words (ASSUMPTION, as the SRAM's counters do:
     # a partial word moves a whole word), and every tile row starts on a word.
@@ -880,7 +885,7 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
         rows_c = min(och, nql - c0)
         ready = row_done(c0 + rows_c - 1)
         dma_t = max(ready + t.o_issue_cycles, dma_t + t.o_chunk_gap_cycles) + rows_c * go
-    out_total = out_cyc + int(valid_rows[-1] * max(0, wol - od))
+    out_total = int(out_cyc[-1]) + int(valid_rows[-1] * max(0, wol - od))
     tail = max(t.o_tail_min_cycles, dma_t + t.o_done_cycles - out_total)
     dma_stall = units * 0 + start_stall + pair_stall_total
     q_all = units * nq
@@ -911,8 +916,8 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     recip_ops = q_tiles * br
     softmax_cycles = pairs * sm_cyc
     spill_cycles = pairs * spill_cyc_pair
-    total = (pairs * s_cyc - hidden_s + pv_cyc_total + pairs * sm_exposed + q_tiles * qtile_cyc + dma_stall
-             + spill_cycles + drain_cycles + job_cycles)
+    total = (pairs * s_cyc - hidden_s + pv_cyc_total + pairs * sm_exposed + q_tiles * qtile_cyc
+             + units * int(out_cyc.sum()) + dma_stall + spill_cycles + drain_cycles + job_cycles)
 
     # Register-file accesses (4 bytes each), from the core's control words:
     # a MAC slot reads and writes its accumulator; P·V reads the P operand
@@ -925,7 +930,9 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     reg_mac = 2 * REG_BYTES * mac_ops
     reg_p_operand = pv_cyc_total * R * REG_BYTES
     reg_softmax = pairs * (4 * wr * wc + 6 * wr + 3 * wr * od) * RC * REG_BYTES
-    reg_epilogue = q_tiles * ((2 * wr + wr * od) + (wr + 3 * wr * od) + wr * od) * RC * REG_BYTES
+    # (the read-out reads one PE row's O registers per beat, valid rows only)
+    reg_epilogue = (q_tiles * ((2 * wr + wr * od) + (wr + 3 * wr * od)) * RC
+                    + units * int(valid_rows.sum()) * od * C) * REG_BYTES
     reg_spill = 0
     if design == "baseline":
         # S drained from and reloaded into the registers, P likewise.
@@ -982,7 +989,8 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
                   job_cycles=job_cycles, start_stall_cycles=int(start_stall),
                   pair_stall_cycles=int(pair_stall_total), tail_cycles=int(tail), wait_exits=int(wait_exits),
                   hidden_s_cycles=int(hidden_s),
-                  qtile_cycles=qtile_cyc, spill_cycles_per_pair=spill_cyc_pair,
+                  qtile_cycles=qtile_cyc, out_cycles=int(units * out_cyc.sum()),
+                  spill_cycles_per_pair=spill_cyc_pair,
                   kv_reused=bool(reuse), stacked_decode=bool(stacked))
     return ModelResult(counters=counters, ops=OpDetail(fp32_mul=int(fp32_mul), fp32_add=int(fp32_add),
                                                       operand_bytes=int(operand_bytes),
