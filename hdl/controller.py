@@ -106,7 +106,6 @@ class Controller(wiring.Component):
         is the DMA port's room, also without ``valid``).
     job : Out(job_layout)     the running job, for the datapath blocks.
     pp_half_bytes : Out(32)   ping-pong half size for the DMA (0 when resident).
-    core_n_kv : Out(16)       kv tiles of the q tile the core took last (counters).
     job_start : Out(1)        one cycle: a job starts (blocks clear their state).
     running : Out(1)          a job runs (not IDLE, FAIL or DONE).
     active : Out(1)           not IDLE and not FAIL.
@@ -128,7 +127,6 @@ class Controller(wiring.Component):
             "otile": Out(stream.Signature(otile_layout(config))),
             "desc": Out(stream.Signature(descriptor_layout)),
             "job": Out(job_layout(config)), "pp_half_bytes": Out(32),
-            "core_n_kv": Out(cmd_layout(config)["n_kv"].shape),
             "job_start": Out(1), "running": Out(1), "active": Out(1),
             "status": Out(regmap["status"].shape), "irq": Out(regmap["irq"].shape),
         })
@@ -240,7 +238,7 @@ class Controller(wiring.Component):
 
         # core command and the loader's q tile: valid until taken
         with m.If(self.cmd.valid & self.cmd.ready):
-            m.d.sync += [self.cmd.valid.eq(0), self.core_n_kv.eq(self.cmd.payload.n_kv)]
+            m.d.sync += self.cmd.valid.eq(0)
         with m.If(self.qtile.valid & self.qtile.ready):
             m.d.sync += self.qtile.valid.eq(0)
         # the O writer's destination entry: offered in CMD, taken with the rest

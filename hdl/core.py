@@ -33,6 +33,24 @@ ahead completely goes straight to its softmax.  At 32 x 32, head_dim 128,
 The S and S_RAW pause points (which stop between Q.K^T and the softmax)
 turn the overlap off for their command.
 
+Read-out overlap (early accept): the O read-out runs on its own once FINAL
+ends (``out_on``), and in its first cycle the core takes the next q tile's
+command if one is waiting without pause bits.  That tile's first Q.K^T
+writes only S block 0, which the read-out does not touch, so it streams
+beside the read-out (it reads O_acc through the synchronous port; the MACs
+use ports A and B); its INIT, which rewrites O_acc, m_i and l_i, follows
+once both have ended, and then its softmax::
+
+   q tile i    | ... PV_last | FINAL | OUT (rows * od beats) |
+   q tile i+1                        | S_0 ..................... | INIT | SM_0 + S_1 | PV_0 ...
+
+Between two q tiles this costs max(2 + S_0, read-out) + INIT instead of
+read-out + IDLE + INIT + WAIT_K + S_0.  At 32 x 32, head_dim 128 the
+257-cycle read-out of a full q tile hides completely behind the 512-cycle
+S_0.  The core's own counters then cover both commands (they clear only
+when a command is taken in IDLE); the NPU's job counters count the core's
+events (``ev``) as they happen.
+
 ::
 
    wr stream ──► Q buffers (one per PE row) ──┐ lane k        (sync reads =
@@ -115,7 +133,7 @@ from .schedule import Inject as Injection
 from .schedule import Op, mac_slots, schedule
 from .tilebuf import BufSel, TileBuffers, _onehot, write_layout
 
-__all__ = ["BufSel", "Phase", "PausePoint", "Inject", "cmd_layout", "write_layout", "out_layout",
+__all__ = ["BufSel", "Phase", "PausePoint", "Inject", "cmd_layout", "write_layout", "out_layout", "event_layout",
            "rom_layout", "init_program", "softmax_program", "final_program", "Core",
            "core_verilog", "CORE_MODULE", "LEN_BITS", "RF_USE", "tile_registers", "register_name",
            "gap_s", "gap_pv_cycles"]
@@ -216,6 +234,19 @@ def cmd_layout(config: NPUConfig) -> data.StructLayout:
         "head_dim": LEN_BITS, "n_kv": LEN_BITS, "c": 32, "causal": 1, "q_row0": LEN_BITS,
         "seq_q": LEN_BITS, "seq_kv": LEN_BITS, "kv_valid_len": LEN_BITS, "mask_en": 1,
         "pause": len(PausePoint),
+    })
+
+
+def event_layout(config: NPUConfig) -> data.StructLayout:
+    """The core's per-cycle events (``Core.ev``), which its own and the NPU's
+    counters count: ``mac`` (a MAC control word reaches the PEs), ``exp2``
+    (PEXP or MALPHA), ``recip`` (reciprocal starts, one per PE row),
+    ``masked`` (MAC slots the array skipped at masked positions),
+    ``softmax`` (a cycle in the softmax program), ``stall`` (waiting for a
+    tile buffer), ``kv_tile`` (a kv tile's P.V ends)."""
+    return data.StructLayout({
+        "mac": 1, "exp2": 1, "recip": 1, "masked": range(config.array_rows * config.array_cols + 1),
+        "softmax": 1, "stall": 1, "kv_tile": 1,
     })
 
 
@@ -354,8 +385,10 @@ class Core(wiring.Component):
     Ports
     -----
     cmd : In(stream.Signature(cmd_layout))
-        Start a q tile (accepted in IDLE).  A command with head_dim outside
-        1..max_head_dim or n_kv == 0 is rejected: ``err`` = 1, nothing runs.
+        Start a q tile (accepted in IDLE, or in OUT when it has no pause
+        bits: see "Read-out overlap").  A command with head_dim outside
+        1..max_head_dim or n_kv == 0 is rejected in IDLE: ``err`` = 1,
+        nothing runs.
     wr : In(stream.Signature(write_layout))
         Tile-buffer row writes, one row per cycle, always ready.
     full : Out(len(BufSel))
@@ -372,7 +405,9 @@ class Core(wiring.Component):
         Register ``dbg_addr`` of every PE of row ``dbg_row``, one cycle after
         the address (valid while IDLE, paused or waiting for a buffer).
     cnt_total, cnt_mac, cnt_softmax, cnt_stall, cnt_tile_last, cnt_tile_sum : Out(32)
-        Cycles of the current/last command (pauses excluded): all, with a
+        Cycles since the last command taken in IDLE (so a command taken
+        early, during a read-out, adds to its predecessor's; pauses
+        excluded): all, with a
         MAC control word in the array, in the softmax program, waiting for a
         buffer, of the last kv tile (from the end of the previous tile's
         P.V, or the first tile's first S step, to the end of its P.V), and
@@ -402,6 +437,9 @@ class Core(wiring.Component):
     pnz : Out(range(R * C + 1))
         Non-zero P entries the array's PEXP ops wrote, 3 cycles after the ops
         (``PeArray.pnz``): summed per kv tile by the S-tile check.
+    ev : Out(event_layout)
+        This cycle's events, which the counters above and the NPU's job
+        counters count.
     """
 
     def __init__(self, config: NPUConfig, pe_as_instance: bool = False):
@@ -428,6 +466,7 @@ class Core(wiring.Component):
             "cnt_total": Out(32), "cnt_mac": Out(32), "cnt_softmax": Out(32), "cnt_stall": Out(32),
             "cnt_tile_last": Out(32), "cnt_tile_sum": Out(32),
             "ops_mac": Out(48), "ops_exp2": Out(48), "ops_recip": Out(48), "ops_masked": Out(48),
+            "ev": Out(event_layout(config)),
             "inject": In(len(Inject)), "reg_err": Out(1), "reg_err_addr": Out(ab),
             "reg_err_phase": Out(Phase), "reg_err_tile": Out(LEN_BITS),
             "pnz": Out(range(R * C + 1)),
@@ -572,6 +611,15 @@ class Core(wiring.Component):
         o_a = Signal(range(wr))
         o_n = Signal(range(odm))
         primed = Signal()
+        # the read-out runs on its own once FINAL ends (``out_on``), with the
+        # O-column count and last valid row of its q tile, so the next q
+        # tile's command can be taken meanwhile (``init_after_s``: that q
+        # tile's INIT follows its first Q.K^T, once the read-out has ended)
+        out_on = Signal()
+        o_od = Signal.like(od)
+        o_last = Signal(range(cfg.br))
+        init_after_s = Signal()
+        out_end = Signal()                     # the read-out's last beat goes out
 
         enter_s = Signal()
         accept = Signal()                      # a q-tile command is taken this cycle
@@ -616,6 +664,7 @@ class Core(wiring.Component):
             half=half, k_sel=k_sel, v_sel=v_sel, k_ok=k_ok, v_ok=v_ok, m_ok=m_ok,
             iss=iss, iss_a=iss_a, iss_b=iss_b, iss_k=iss_k, iss_n=iss_n, iss_kc=iss_kc,
             sa_pv=sa_pv, use_pv_sa=use_pv_sa, o_r=o_r, o_a=o_a, o_n=o_n, primed=primed,
+            out_on=out_on, o_od=o_od, o_last=o_last, init_after_s=init_after_s, out_end=out_end,
             enter_s=enter_s, accept=accept, rom_stall=rom_stall, clear=clear, gap=gap, gap_pv=gap_pv,
             pv_last=pv_last,
             quiet=s_quiet, ctl_op=ctl_op)
@@ -691,6 +740,8 @@ class Core(wiring.Component):
                     with m.If(cmd.pause[PausePoint.S_RAW]):
                         m.d.sync += [s.phase.eq(Phase.PAUSED), s.resume_to.eq(Phase.WAIT_M),
                                      s.pause_at.eq(PausePoint.S_RAW), s.resume_pc.eq(s.base("sm"))]
+                    with m.Elif(s.init_after_s):
+                        m.d.sync += [s.phase.eq(Phase.INIT), s.pc.eq(s.base("init"))]
                     with m.Else():
                         self._enter_sm(m, s, par)
 
@@ -751,33 +802,45 @@ class Core(wiring.Component):
         wr, wc, odm, mhd = g.wr, g.wc, g.od, cfg.max_head_dim
         cmd, phase, pc, base, iss, release = s.cmd, s.phase, s.pc, s.base, s.iss, s.release
         k, a, n, kc, kb, tile = s.k, s.a, s.n, s.kc, s.kb, s.tile
+        p = self.cmd.payload
+        bad = (p.head_dim == 0) | (p.head_dim > mhd) | (p.n_kv == 0)
+        od_new = Signal.like(s.od)
+        m.d.comb += od_new.eq((p.head_dim + C - 1) >> (C.bit_length() - 1))
+
+        def accept(early):
+            m.d.comb += s.accept.eq(1)
+            vis_e0 = Mux(p.seq_kv < p.kv_valid_len, p.seq_kv, p.kv_valid_len)
+            m.d.sync += [cmd.eq(p), tile.eq(0), s.od.eq(od_new),
+                         s.vis_d.eq(p.seq_q - p.q_row0 - p.seq_kv),
+                         s.vis_e.eq(vis_e0),
+                         s.vis_dn.eq(p.seq_q - p.q_row0 - p.seq_kv + Bc),
+                         s.vis_en.eq(vis_e0 - Bc),
+                         s.vis_f.eq(p.seq_q - p.q_row0),
+                         s.sk.eq(0), s.sa.eq(0), s.sb.eq(0), s.gap_sl.eq(0),
+                         s.ahead_done.eq(0), s.init_after_s.eq(early),
+                         s.ov.eq(int(cfg.overlaps_softmax) & ~p.pause[PausePoint.S_RAW]
+                                 & ~p.pause[PausePoint.S])]
+            if early:
+                m.d.sync += phase.eq(Phase.WAIT_K)
+            else:
+                m.d.sync += [phase.eq(Phase.INIT), pc.eq(base("init", od_new))]
+
         with m.Switch(phase):
             with m.Case(Phase.IDLE):
                 m.d.comb += self.cmd.ready.eq(s.quiet)
                 with m.If(self.cmd.valid & s.quiet):
-                    p = self.cmd.payload
-                    bad = (p.head_dim == 0) | (p.head_dim > mhd) | (p.n_kv == 0)
                     m.d.sync += self.err.eq(bad)
-                    od_new = Signal.like(s.od)
-                    m.d.comb += od_new.eq((p.head_dim + C - 1) >> (C.bit_length() - 1))
                     with m.If(~bad):
-                        m.d.comb += s.accept.eq(1)
-                        vis_e0 = Mux(p.seq_kv < p.kv_valid_len, p.seq_kv, p.kv_valid_len)
-                        m.d.sync += [cmd.eq(p), phase.eq(Phase.INIT), pc.eq(base("init", od_new)),
-                                     tile.eq(0), s.od.eq(od_new),
-                                     s.vis_d.eq(p.seq_q - p.q_row0 - p.seq_kv),
-                                     s.vis_e.eq(vis_e0),
-                                     s.vis_dn.eq(p.seq_q - p.q_row0 - p.seq_kv + Bc),
-                                     s.vis_en.eq(vis_e0 - Bc),
-                                     s.vis_f.eq(p.seq_q - p.q_row0),
-                                     s.sk.eq(0), s.sa.eq(0), s.sb.eq(0), s.gap_sl.eq(0),
-                                     s.ahead_done.eq(0),
-                                     s.ov.eq(int(cfg.overlaps_softmax) & ~p.pause[PausePoint.S_RAW]
-                                             & ~p.pause[PausePoint.S])]
+                        accept(early=False)
             with m.Case(Phase.INIT):
                 def init_last():
-                    m.d.sync += phase.eq(Phase.WAIT_K)
-                self._run_rom(m, s, init_last)
+                    with m.If(s.init_after_s):
+                        m.d.sync += s.init_after_s.eq(0)
+                        self._enter_sm(m, s, s.par)
+                    with m.Else():
+                        m.d.sync += phase.eq(Phase.WAIT_K)
+                with m.If(~s.out_on):               # after an early accept: once O is out
+                    self._run_rom(m, s, init_last)
             with m.Case(Phase.WAIT_K):
                 with m.If(s.k_ok):
                     self._start_s(m, s)
@@ -833,11 +896,22 @@ class Core(wiring.Component):
                                      s.vis_en.eq(s.vis_en - Bc), s.ahead_done.eq(0)]
             with m.Case(Phase.FINAL):
                 def final_last():
+                    # the read-out stops after the q tile's last valid row
+                    # (seq_q - q_row0, at most Br, at least one)
+                    f = s.vis_f
                     m.d.sync += [phase.eq(Phase.OUT), s.o_r.eq(0), s.o_a.eq(0), s.o_n.eq(0),
-                                 s.primed.eq(0)]
+                                 s.primed.eq(0), s.out_on.eq(1), s.o_od.eq(s.od),
+                                 s.o_last.eq(Mux(f >= cfg.br, cfg.br - 1, Mux(f < 1, 0, f - 1)))]
                 self._run_rom(m, s, final_last)
             with m.Case(Phase.OUT):
-                pass                                   # see ``_readout``
+                # the read-out (``_readout``) runs on its own: the next q
+                # tile's command is taken now unless it pauses, and its first
+                # Q.K^T streams while O goes out (early accept)
+                early = self.cmd.valid & s.quiet & ~bad & (p.pause == 0)
+                m.d.comb += self.cmd.ready.eq(early)
+                with m.If(early):
+                    m.d.sync += self.err.eq(0)
+                    accept(early=True)
             with m.Case(Phase.PAUSED):
                 with m.If(self.resume & self.paused):
                     m.d.sync += [phase.eq(s.resume_to), pc.eq(s.resume_pc)]
@@ -849,17 +923,12 @@ class Core(wiring.Component):
         R = self.config.array_rows
         g = self.regs
         wr, odm = g.wr, g.od
-        od, o_r, o_a, o_n, primed, phase = s.od, s.o_r, s.o_a, s.o_n, s.primed, s.phase
+        od, o_r, o_a, o_n, primed, phase = s.o_od, s.o_r, s.o_a, s.o_n, s.primed, s.phase
         fire = self.o.valid & self.o.ready
         nx_n = Signal.like(o_n)
         nx_a = Signal.like(o_a)
         nx_r = Signal.like(o_r)
-        # the read-out stops after the q tile's last valid row (seq_q - q_row0,
-        # at most Br, at least one row): rows after it hold no query
-        f = s.vis_f
-        o_last = Signal(range(self.config.br))
-        m.d.sync += o_last.eq(Mux(f >= self.config.br, self.config.br - 1, Mux(f < 1, 0, f - 1)))
-        last_beat = (o_n == od - 1) & (o_r * wr + o_a == o_last)
+        last_beat = (o_n == od - 1) & (o_r * wr + o_a == s.o_last)
         m.d.comb += [
             nx_n.eq(Mux(o_n == od - 1, 0, o_n + 1)),
             nx_a.eq(Mux(o_n == od - 1, Mux(o_a == wr - 1, 0, o_a + 1), o_a)),
@@ -868,7 +937,7 @@ class Core(wiring.Component):
         use_r = Mux(fire, nx_r, o_r)
         use_a = Mux(fire, nx_a, o_a)
         use_n = Mux(fire, nx_n, o_n)
-        in_out = phase == Phase.OUT
+        in_out = s.out_on
         m.d.comb += [
             self.o.valid.eq(in_out & primed),
             self.o.payload.row.eq(o_r * wr + o_a),
@@ -881,7 +950,10 @@ class Core(wiring.Component):
             with m.If(fire):
                 m.d.sync += [o_r.eq(nx_r), o_a.eq(nx_a), o_n.eq(nx_n)]
                 with m.If(last_beat):
-                    m.d.sync += [phase.eq(Phase.IDLE), self.done.eq(1), primed.eq(0)]
+                    m.d.comb += s.out_end.eq(1)
+                    m.d.sync += [s.out_on.eq(0), self.done.eq(1), primed.eq(0)]
+                    with m.If((phase == Phase.OUT) & ~s.accept):
+                        m.d.sync += phase.eq(Phase.IDLE)
 
         # PE synchronous read port: P operand (P.V), O read-out, or debug
         rd_row_d = Signal(range(R))
@@ -1064,10 +1136,13 @@ class Core(wiring.Component):
         blk = Const(block_mask[0], NR) if len(block_mask) == 1 else \
             Mux(s.s_par, Const(block_mask[1], NR), Const(block_mask[0], NR))
         m.d.comb += forget.eq(Mux(s.s_first, blk, 0) | Mux(s.enter_sm, Const(alpha_mask, NR), 0))
+        # O_acc stays written while the read-out of the previous q tile
+        # reads it after an early accept, and is forgotten when it ends
+        o_mask = Const(sum(1 << g.O(a, n) for a in range(g.wr) for n in range(g.od)), NR)
         with m.If(s.accept):
-            m.d.sync += written.eq(0)
+            m.d.sync += written.eq(Mux(s.out_on & ~s.out_end, written & o_mask, 0))
         with m.Else():
-            m.d.sync += written.eq((written & ~forget) | wr_now_s)
+            m.d.sync += written.eq((written & ~forget & ~Mux(s.out_end, o_mask, 0)) | wr_now_s)
         # phase and kv tile of the word in E0, E1 (a Q.K^T step that runs
         # ahead counts as phase S of tile + 1)
         phase_d = [Signal(Phase, name=f"chk_phase{i}") for i in range(2)]
@@ -1100,10 +1175,24 @@ class Core(wiring.Component):
     # ------------------------------------------------------------------ counters
     def _counters(self, m, s, ctl_d, arr):
         """Cycle and operation counters of the current/last command (see the
-        class docstring), cleared when a command arrives in IDLE."""
+        class docstring), cleared when a command arrives in IDLE (a command
+        taken early, during the read-out, adds to them), and the per-cycle
+        events they count (``ev``: the NPU's job counters count the same)."""
         R, C = self.config.array_rows, self.config.array_cols
-        phase = s.phase
+        phase, ev = s.phase, self.ev
         counting = (phase != Phase.IDLE) & (phase != Phase.PAUSED)
+        m.d.comb += [
+            ev.mac.eq(ctl_d.op == PeOp.MAC),
+            ev.exp2.eq((ctl_d.op == PeOp.PEXP) | (ctl_d.op == PeOp.MALPHA)),
+            ev.recip.eq(ctl_d.rcp),
+            # the array's count of masked MACs (3 cycles after the ops; the
+            # pipeline is quiet before a command is accepted)
+            ev.masked.eq(arr.msk),
+            ev.softmax.eq(phase == Phase.SM),
+            ev.stall.eq(((phase == Phase.WAIT_K) & ~s.k_ok) | ((phase == Phase.WAIT_M) & ~s.m_ok)
+                        | ((phase == Phase.WAIT_V) & ~s.v_ok)),
+            ev.kv_tile.eq((phase == Phase.PV) & (s.release != 0)),   # a kv tile's P.V ends
+        ]
         tile_cyc = Signal(32)
         with m.If((phase == Phase.IDLE) & self.cmd.valid):
             m.d.sync += [x.eq(0) for x in (self.cnt_total, self.cnt_mac, self.cnt_softmax,
@@ -1113,29 +1202,21 @@ class Core(wiring.Component):
         with m.Else():
             with m.If(counting):
                 m.d.sync += self.cnt_total.eq(self.cnt_total + 1)
-            with m.If(ctl_d.op == PeOp.MAC):
-                m.d.sync += [self.cnt_mac.eq(self.cnt_mac + 1),
-                             self.ops_mac.eq(self.ops_mac + R * C)]
-            with m.If((ctl_d.op == PeOp.PEXP) | (ctl_d.op == PeOp.MALPHA)):
-                m.d.sync += self.ops_exp2.eq(self.ops_exp2 + R * C)
-            with m.If(ctl_d.rcp):
-                m.d.sync += self.ops_recip.eq(self.ops_recip + R)
-            # the array's count of masked MACs (3 cycles after the ops; the
-            # pipeline is quiet before a command is accepted)
-            m.d.sync += self.ops_masked.eq(self.ops_masked + arr.msk)
-            with m.If(phase == Phase.SM):
-                m.d.sync += self.cnt_softmax.eq(self.cnt_softmax + 1)
-            with m.If(((phase == Phase.WAIT_K) & ~s.k_ok) | ((phase == Phase.WAIT_M) & ~s.m_ok)
-                      | ((phase == Phase.WAIT_V) & ~s.v_ok)):
-                m.d.sync += self.cnt_stall.eq(self.cnt_stall + 1)
+            m.d.sync += [self.cnt_mac.eq(self.cnt_mac + ev.mac),
+                         self.ops_mac.eq(self.ops_mac + Mux(ev.mac, R * C, 0)),
+                         self.ops_exp2.eq(self.ops_exp2 + Mux(ev.exp2, R * C, 0)),
+                         self.ops_recip.eq(self.ops_recip + Mux(ev.recip, R, 0)),
+                         self.ops_masked.eq(self.ops_masked + ev.masked),
+                         self.cnt_softmax.eq(self.cnt_softmax + ev.softmax),
+                         self.cnt_stall.eq(self.cnt_stall + ev.stall)]
             # tile cycles: from the first S step of the q tile's first tile,
             # or from the end of the previous tile's P.V (with the overlap the
             # tiles' phases interleave), to the end of its P.V
-            with m.If(s.enter_s | ((phase == Phase.PV) & (s.release != 0))):
+            with m.If(s.enter_s | ev.kv_tile):
                 m.d.sync += tile_cyc.eq(0)
             with m.Elif(counting):
                 m.d.sync += tile_cyc.eq(tile_cyc + 1)
-            with m.If((phase == Phase.PV) & (s.release != 0)):
+            with m.If(ev.kv_tile):
                 m.d.sync += [self.cnt_tile_last.eq(tile_cyc + 1),
                              self.cnt_tile_sum.eq(self.cnt_tile_sum + tile_cyc + 1)]
 

@@ -3,19 +3,21 @@ memory level and operations, read by the host as ``cnt_<name>_lo/_hi``.
 
 Cycle and byte counters run while the job runs (bytes as the difference of
 the memory system's free-running counters to a snapshot taken at the job's
-start); the core's per-q-tile counters are added when it finishes a q tile.
+start); the core's events (``Core.ev``) are counted as they happen, so a q
+tile the core takes during the previous one's read-out counts once.
 """
 
 from __future__ import annotations
 
-from amaranth import Module, Signal
+from amaranth import Module, Mux, Signal
 from amaranth.lib import data, wiring
 from amaranth.lib.wiring import In, Out
 
 from flashnpu.config import NPUConfig
 
+from .core import event_layout
 from .mem_common import word_bytes
-from .npu_map import COUNTERS, LEN_BITS
+from .npu_map import COUNTERS
 
 __all__ = ["counters_layout", "PerfCounters"]
 
@@ -35,11 +37,9 @@ class PerfCounters(wiring.Component):
     -----
     clear : In(1)          a job starts: counters to 0, byte snapshots taken.
     running : In(1)        the job runs: cycles and bytes count.
-    core_done : In(1)      the core finished a q tile: its counts are added.
-    core_n_kv : In(LEN_BITS)   kv tiles of that q tile.
-    cnt_mac, cnt_softmax, cnt_stall : In(32)   the core's cycle counts of the q tile.
-    ops_mac, ops_exp2, ops_recip, ops_masked : In(48)   the core's op counts of the q tile
-                                               (``mac_masked``: MAC slots skipped at masked positions).
+    core_done : In(1)      the core finished a q tile.
+    ev : In(event_layout)  the core's events this cycle (``mac_masked``: MAC slots skipped
+                           at masked positions).
     sram_rd_bytes, sram_wr_bytes, dram_rd_bytes, dram_wr_bytes : In(48)
     tsv_rd_words, tsv_wr_words : In(32)        the memory system's free-running counts.
     counters : Out(counters_layout())
@@ -47,11 +47,9 @@ class PerfCounters(wiring.Component):
 
     def __init__(self, config: NPUConfig):
         self.config = config
-        members = {"clear": In(1), "running": In(1), "core_done": In(1), "core_n_kv": In(LEN_BITS)}
-        members.update({n: In(32) for n in ("cnt_mac", "cnt_softmax", "cnt_stall",
-                                            "tsv_rd_words", "tsv_wr_words")})
-        members.update({n: In(BYTE_BITS) for n in ("ops_mac", "ops_exp2", "ops_recip", "ops_masked",
-                                                   "sram_rd_bytes", "sram_wr_bytes",
+        members = {"clear": In(1), "running": In(1), "core_done": In(1), "ev": In(event_layout(config))}
+        members.update({n: In(32) for n in ("tsv_rd_words", "tsv_wr_words")})
+        members.update({n: In(BYTE_BITS) for n in ("sram_rd_bytes", "sram_wr_bytes",
                                                    "dram_rd_bytes", "dram_wr_bytes")})
         members["counters"] = Out(counters_layout())
         super().__init__(members)
@@ -66,19 +64,19 @@ class PerfCounters(wiring.Component):
         with m.If(self.running):
             m.d.sync += [cnt.total_cycles.eq(cnt.total_cycles + 1)]
             m.d.sync += [cnt[f"{k}_bytes"].eq(cur[k] - snap[k]) for k in cur]
-        with m.If(self.core_done):
-            m.d.sync += [cnt.mac_busy_cycles.eq(cnt.mac_busy_cycles + self.cnt_mac),
-                         cnt.softmax_cycles.eq(cnt.softmax_cycles + self.cnt_softmax),
-                         cnt.dma_stall_cycles.eq(cnt.dma_stall_cycles + self.cnt_stall),
-                         cnt.mac_ops.eq(cnt.mac_ops + self.ops_mac),
-                         cnt.exp2_ops.eq(cnt.exp2_ops + self.ops_exp2),
-                         cnt.recip_ops.eq(cnt.recip_ops + self.ops_recip),
-                         cnt.mac_masked.eq(cnt.mac_masked + self.ops_masked),
-                         # ASSUMPTION: 8 register-file bytes per MAC slot (read + write of
-                         # the FP32 accumulator) and per exp2 (read S, write P)
-                         cnt.reg_bytes.eq(cnt.reg_bytes + 8 * (self.ops_mac + self.ops_exp2)),
-                         cnt.q_tiles.eq(cnt.q_tiles + 1),
-                         cnt.kv_tiles.eq(cnt.kv_tiles + self.core_n_kv)]
+        ev, RC = self.ev, self.config.array_rows * self.config.array_cols
+        m.d.sync += [cnt.mac_busy_cycles.eq(cnt.mac_busy_cycles + ev.mac),
+                     cnt.softmax_cycles.eq(cnt.softmax_cycles + ev.softmax),
+                     cnt.dma_stall_cycles.eq(cnt.dma_stall_cycles + ev.stall),
+                     cnt.mac_ops.eq(cnt.mac_ops + Mux(ev.mac, RC, 0)),
+                     cnt.exp2_ops.eq(cnt.exp2_ops + Mux(ev.exp2, RC, 0)),
+                     cnt.recip_ops.eq(cnt.recip_ops + Mux(ev.recip, self.config.array_rows, 0)),
+                     cnt.mac_masked.eq(cnt.mac_masked + ev.masked),
+                     # ASSUMPTION: 8 register-file bytes per MAC slot (read + write of
+                     # the FP32 accumulator) and per exp2 (read S, write P)
+                     cnt.reg_bytes.eq(cnt.reg_bytes + Mux(ev.mac, 8 * RC, 0) + Mux(ev.exp2, 8 * RC, 0)),
+                     cnt.q_tiles.eq(cnt.q_tiles + self.core_done),
+                     cnt.kv_tiles.eq(cnt.kv_tiles + ev.kv_tile)]
         with m.If(self.clear):               # after the updates above: a new job wins
             m.d.sync += [snap[k].eq(cur[k]) for k in cur]
             m.d.sync += [cnt[name].eq(0) for name in COUNTERS]

@@ -250,11 +250,8 @@ class NPU(wiring.Component):
             s_mon.en.eq(csr.port("s_check", "value").en), s_mon.pop.eq(csr.port("s_tile_pop", "pulse").pop),
             csr.port("s_tile", "status").eq(s_mon.head), csr.port("s_count", "status").eq(s_mon.count),
             cnt.clear.eq(ctrl.job_start), cnt.running.eq(ctrl.running), cnt.core_done.eq(core.done),
-            cnt.core_n_kv.eq(ctrl.core_n_kv),
+            cnt.ev.eq(core.ev),
         ]
-        m.d.comb += [getattr(cnt, n).eq(getattr(core, n)) for n in ("cnt_mac", "cnt_softmax", "cnt_stall",
-                                                                    "ops_mac", "ops_exp2", "ops_recip",
-                                                                    "ops_masked")]
         m.d.comb += [getattr(cnt, n).eq(getattr(mem, n)) for n in ("sram_rd_bytes", "sram_wr_bytes",
                                                                    "dram_rd_bytes", "dram_wr_bytes",
                                                                    "tsv_rd_words", "tsv_wr_words")]

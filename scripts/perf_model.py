@@ -55,8 +55,8 @@ Every ASSUMPTION is marked where it is made.  The main ones:
 * the NPU's schedule (``hdl/npu.py``): K/V resident in SRAM slots when
   ceil(seq_kv / Bc) <= ``config.kv_slots`` (each kv tile fetched once per KV head,
   whole), else streamed through two ping-pong halves for every q tile; two
-  Q and two O regions, so a q tile follows the last one after one idle
-  cycle of the core; one DMA engine at one bus word per cycle, a loader at
+  Q and two O regions, so the core takes the next q tile's command as the
+  read-out of the last one starts (``Timing.early_accept``); one DMA engine at one bus word per cycle, a loader at
   two words per request, an O writer at C FP32 lanes per request; the O
   write-back in chunks of Br/4 rows.  In series stay the first q tile's
   wait for Q and K_0 (and for V_0 when the DMA's two-descriptor write side
@@ -271,7 +271,14 @@ class Timing:
         O rows' bank was closed, which the model does not track).
     readout_bytes_per_cycle : int or None
         O read-out: one FP32 per PE column per cycle (C x 4 bytes), one beat
-        per (row, O column) of the PE, Br·od beats + 1 priming cycle.
+        per (row, O column) of the PE, rows·od beats + 1 priming cycle.
+    early_accept : bool
+        The core takes the next q tile's command when the read-out starts
+        and runs that tile's first Q·Kᵀ while O goes out; its INIT follows
+        once both have ended (``hdl/core.py``).  Between two q tiles this
+        replaces read-out + idle cycle + INIT + WAIT_K + S_0 with
+        max(2 + S_0, read-out) + INIT.  False: the read-out, then the next
+        command (the core before the overlap).
     overlap_softmax : bool
         What-if: hide the whole softmax phase behind the MAC stream.  The
         RTL core (``config.softmax_overlap``) hides part of it instead: the
@@ -297,6 +304,7 @@ class Timing:
     recip_cycles: int = 27
     mac_recurrence: int = 4
     qtile_gap_cycles: int = 1
+    early_accept: bool = True
     first_tile_fixed_cycles: int | None = None
     start_conflict_rows: int = 8
     qtile_ctrl_cycles: int = 3
@@ -797,8 +805,8 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
 
     # --- NPU timing (hdl/npu.py) ---------------------------------------------------
     # The controller hands q tile t to the core and the loader while q tile
-    # t-1 computes (two Q and two O regions), so a q tile follows the last
-    # one after one idle cycle of the core; the DMA fetches Q (and K/V that
+    # t-1 computes (two Q and two O regions), so a q tile's command waits
+    # for the core's read-out of the last one; the DMA fetches Q (and K/V that
     # is not resident yet) ahead, and the O write-back of a q tile runs
     # during the next one.  What is left in series: the first q tile's wait
     # for Q and K_0, waits between pairs when the DMA or the loader falls
@@ -873,6 +881,16 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     # O read-out: the writer takes a row every od beats and writes it in wol
     # requests; it holds the core only when wol > od
     out_bp = valid_rows * max(0, wol - od)
+    # the next q tile's command is taken as the read-out starts (``early_accept``):
+    # accept, WAIT_K and its first Q·Kᵀ (s_cyc) run beside the read-out, then
+    # its INIT: read-out + INIT + WAIT_K + s_cyc become max(2 + s_cyc,
+    # read-out) + INIT after every q tile but the job's last, and the core is
+    # never idle between q tiles
+    if t.early_accept:
+        ov_q = np.minimum(out_cyc + out_bp, 2 + s_cyc) - 1
+        overlap_out = units * int(ov_q.sum()) - int(ov_q[-1])
+    else:
+        overlap_out = 0
     # the last q tile: its O rows go back in chunks of o_chunk rows (one word
     # per cycle) as the writer finishes them; the job ends when the last
     # chunk has completed (ASSUMPTION: fitted constants, Timing.o_tail_*)
@@ -889,7 +907,8 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     tail = max(t.o_tail_min_cycles, dma_t + t.o_done_cycles - out_total)
     dma_stall = units * 0 + start_stall + pair_stall_total
     q_all = units * nq
-    drain_cycles = t.qtile_ctrl_cycles + (q_all - 1) + tail + units * int(out_bp.sum()) + wait_exits
+    idle_between = 0 if t.early_accept else q_all - 1      # the core's IDLE cycle between q tiles
+    drain_cycles = t.qtile_ctrl_cycles + idle_between + tail + units * int(out_bp.sum()) + wait_exits
     job_cycles = job.group + 2                    # DIV (heads / kv_heads) and CHECK
 
     # --- counters ----------------------------------------------------------------
@@ -917,7 +936,8 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     softmax_cycles = pairs * sm_cyc
     spill_cycles = pairs * spill_cyc_pair
     total = (pairs * s_cyc - hidden_s + pv_cyc_total + pairs * sm_exposed + q_tiles * qtile_cyc
-             + units * int(out_cyc.sum()) + dma_stall + spill_cycles + drain_cycles + job_cycles)
+             + units * int(out_cyc.sum()) - overlap_out + dma_stall + spill_cycles + drain_cycles
+             + job_cycles)
 
     # Register-file accesses (4 bytes each), from the core's control words:
     # a MAC slot reads and writes its accumulator; P·V reads the P operand
@@ -990,6 +1010,7 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
                   pair_stall_cycles=int(pair_stall_total), tail_cycles=int(tail), wait_exits=int(wait_exits),
                   hidden_s_cycles=int(hidden_s),
                   qtile_cycles=qtile_cyc, out_cycles=int(units * out_cyc.sum()),
+                  overlapped_out_cycles=overlap_out,
                   spill_cycles_per_pair=spill_cyc_pair,
                   kv_reused=bool(reuse), stacked_decode=bool(stacked))
     return ModelResult(counters=counters, ops=OpDetail(fp32_mul=int(fp32_mul), fp32_add=int(fp32_add),

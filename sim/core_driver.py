@@ -387,6 +387,84 @@ class CoreDriver:
         return run
 
 
+    async def run_jobs(self, jobs, max_cycles=2_000_000) -> tuple:
+        """Run q tiles back to back, as the NPU's controller and loader feed
+        them: each command is offered as soon as the one before was taken
+        and its Q is in the Q buffer (written once the buffer is free), and
+        each job's K/V/mask tiles follow the previous job's.  Returns
+        ``(runs, accepted_in)``: one ``CoreRun`` per job (its O beats, in
+        order; ``cycles`` from the first command's accept to the job's last
+        beat) and the core's phase in the cycle each command was taken.
+        Raises ``RegisterCheckError`` or ``TimeoutError`` as ``run_job``."""
+        cfg, io, B = self.cfg, self.io, self.BufSel
+        bc = cfg.bc
+        od = [-(-j.head_dim // cfg.array_cols) for j in jobs]
+        beats = [min(cfg.br, j.seq_q - j.q_row0) * o for j, o in zip(jobs, od)]
+        runs = [CoreRun() for _ in jobs]
+        self.run = collect = CoreRun()
+        accepted_in = []
+        nq = ci = li = 0                     # Q tiles written, commands taken, job loading
+        nxt = {"k": 0, "v": 0, "m": 0}
+        start = None
+        while True:
+            full = io.get("full")
+            job = jobs[li] if li < len(jobs) else None
+            moved = False
+            # a command is offered only between buffer writes, so none is
+            # taken unseen while rows go in
+            io.set("cmd__valid", 0)
+            if nq < len(jobs) and nq <= ci and not full & (1 << B.Q):
+                await self.write_rows(B.Q, jobs[nq].q_tile)
+                nq += 1
+                continue
+            if job is not None:
+                for key, b0, b1, src in (("k", B.K0, B.K1, job.k), ("v", B.V0, B.V1, job.v),
+                                         ("m", B.MASK, B.MASK, job.mask)):
+                    t = nxt[key]
+                    if src is None or t >= job.n_kv or full & (1 << (b0 if t % 2 == 0 else b1)):
+                        continue
+                    rows = src[:, t * bc:(t + 1) * bc] if key == "m" else src[t * bc:(t + 1) * bc]
+                    await self.write_rows(b0 if t % 2 == 0 else b1, rows)
+                    nxt[key] += 1
+                    moved = True
+                    break
+                if all(nxt[k] >= job.n_kv for k in "kv") and (job.mask is None or nxt["m"] >= job.n_kv):
+                    li += 1
+                    nxt = {"k": 0, "v": 0, "m": 0}
+                if moved:
+                    continue
+            offer = ci < nq and ci < len(jobs)
+            if offer:
+                j = jobs[ci]
+                cmd = dict(head_dim=j.head_dim, n_kv=j.n_kv, c=j.c_bits, causal=int(j.causal),
+                           q_row0=j.q_row0, seq_q=j.seq_q, seq_kv=j.seq_kv, kv_valid_len=j.kv_valid_len,
+                           mask_en=int(j.mask is not None), pause=0)
+                io.set("cmd__payload", pack(self.cmd_l, cmd))
+            io.set("cmd__valid", int(offer))
+            taken = offer and io.get("cmd__ready")
+            phase = self.Phase(io.get("phase"))
+            self.check_registers()
+            await self.tick()
+            if taken:
+                accepted_in.append(phase)
+                ci += 1
+                start = self.cycle - 1 if start is None else start
+                io.set("cmd__valid", 0)
+            done = len(collect.o_beats)
+            for i, run in enumerate(runs):
+                if not run.cycles and done >= sum(beats[:i + 1]):
+                    run.cycles = self.cycle - start
+            if done >= sum(beats) and phase == self.Phase.IDLE and ci == len(jobs):
+                break
+            if start is not None and self.cycle - start > max_cycles:
+                raise TimeoutError(f"core did not finish within {max_cycles} cycles (phase {phase.name})")
+        self.run = None
+        k = 0
+        for run, n in zip(runs, beats):
+            run.o_beats, k = collect.o_beats[k:k + n], k + n
+        return runs, accepted_in
+
+
 # ----------------------------------------------------------------- scoreboard
 def check_run(job: QTileJob, run: CoreRun, log=print):
     """Compare every dumped checkpoint and the final O with the golden model.

@@ -102,6 +102,34 @@ def test_pv_stops_after_the_last_visible_key():
         assert run.counters["ops_masked"] == expected_masked_macs(j)
 
 
+def test_next_q_tile_runs_beside_the_read_out():
+    """Read-out overlap: three q tiles back to back (the two of a causal job,
+    then one of another head_dim, with O back-pressure): the core takes
+    next command during the read-out (OUT, never IDLE in between), runs
+    that q tile's first Q.K^T beside it and its INIT after it, and every O
+    is bit-exact (the register check sees O_acc kept for the read-out and
+    forgotten after it).  The cycles are checked against the perf model on
+    the NPU (``tb/model/test_perf_model.py``)."""
+    cfg = CFG4
+    jobs = [make_job(cfg, 8, 12, 13, causal=True, q_tile=t, seed=20) for t in (0, 1)]
+    jobs.append(make_job(cfg, 16, 3, 9, kv_valid_len=6, seed=21, fill=float("nan")))
+    dut = Core(cfg)
+    out = {}
+
+    async def tb(ctx):
+        drv = CoreDriver(AmaranthIo(ctx, dut), cfg, seed=3, backpressure=0.2)
+        drv.idle_inputs()
+        out["runs"], out["phases"] = await drv.run_jobs(jobs)
+
+    sim = Simulator(dut)
+    sim.add_clock(1e-8)
+    sim.add_testbench(tb)
+    sim.run()
+    assert [p.name for p in out["phases"]] == ["IDLE", "OUT", "OUT"]
+    for job, run in zip(jobs, out["runs"]):
+        assert check_run(job, run) > 0
+
+
 def test_a2_beyond_fp16_range():
     hd = 16
     q = np.full((1, 1, hd), 256, np.float16)
