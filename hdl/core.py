@@ -487,8 +487,8 @@ class Core(wiring.Component):
         full = bufs.full
         m.d.comb += [self.full.eq(full), bufs.release.eq(release)]
 
-        pc, word, base = self._rom(m, od)
-        s = self._sequencer(m, arr, cmd, od, full, release, pc, word, base)
+        pc, pc_set, word, base = self._rom(m, od)
+        s = self._sequencer(m, arr, cmd, od, full, release, pc, pc_set, word, base)
         in_out = self._readout(m, s, arr)
         ctl_d = self._operands(m, s, arr, bufs)
         m.d.comb += s.ctl_op.eq(ctl_d.op)
@@ -499,10 +499,17 @@ class Core(wiring.Component):
     # ------------------------------------------------------------ ROM programs
     def _rom(self, m, od):
         """The INIT, softmax and FINAL micro-programs (a variant per O-column
-        count) in one ROM read at ``pc`` (combinationally).  Returns ``(pc,
-        word, base)``: the program counter, the word at it and each
-        program's first address for the command's ``od`` (``base(name,
-        od)``, a value)."""
+        count) in one ROM.  Returns ``(pc, pc_set, word, base)``: the
+        program counter (a register), the next value it takes (``pc_set``,
+        combinational, ``pc`` unless the sequencer drives it), the word at
+        ``pc`` and each program's first address for the command's ``od``
+        (``base(name, od)``, a value).
+
+        The ROM is read synchronously at ``pc_set``, so ``word`` is a
+        register that holds the word at ``pc`` in the same cycle as ``pc``
+        itself: no ROM lookup lies between the program counter and the
+        issue logic (on the 2 x 2 core on the ECP5 that lookup was part of
+        the critical path, ``results/fpga.md``)."""
         progs = self.programs
         starts = {}
         words = []
@@ -512,17 +519,19 @@ class Core(wiring.Component):
                 starts[name].append(len(words))
                 words += progs[name][k]
         m.submodules.rom = rom_mem = Memory(shape=rom_layout(self.config), depth=len(words), init=words)
-        rom = rom_mem.read_port(domain="comb")
+        rom = rom_mem.read_port(domain="sync")
         pc = Signal(range(len(words)))
-        m.d.comb += rom.addr.eq(pc)
+        pc_set = Signal.like(pc)
+        m.d.comb += [pc_set.eq(pc), rom.addr.eq(pc_set)]
+        m.d.sync += pc.eq(pc_set)
         word = rom.data
 
         def base(name, od_value=od):
             return Array([Const(x, pc.shape()) for x in starts[name]])[od_value - 1]
-        return pc, word, base
+        return pc, pc_set, word, base
 
     # --------------------------------------------------------------- sequencer
-    def _sequencer(self, m, arr, cmd, od, full, release, pc, word, base):
+    def _sequencer(self, m, arr, cmd, od, full, release, pc, pc_set, word, base):
         """The tile sequencer: its registers, the status ports, the
         return-register scoreboard and the phase FSM (``_phase_fsm``).
 
@@ -655,7 +664,8 @@ class Core(wiring.Component):
         rom_stall = word.wait & ~ready_now.bit_select(word.ctl.ret_sel, 1)
 
         s = SimpleNamespace(
-            cmd=cmd, od=od, full=full, release=release_o, release_s=release_s, pc=pc, word=word,
+            cmd=cmd, od=od, full=full, release=release_o, release_s=release_s, pc=pc, pc_set=pc_set,
+            word=word,
             base=base, phase=phase, resume_to=resume_to, resume_pc=resume_pc, pause_at=pause_at,
             tile=tile, vis_d=vis_d, vis_e=vis_e, vis_f=vis_f, vis_dn=vis_dn, vis_en=vis_en,
             k=k, kc=kc, kb=kb, a=a, n=n, sk=sk, sa=sa, sb=sb, gap_sl=gap_sl, ov=ov,
@@ -691,7 +701,7 @@ class Core(wiring.Component):
     def _enter_sm(self, m, s, par):
         """Go to the softmax of the tile whose S block is ``par`` (WAIT_M
         first when its mask is not in)."""
-        m.d.sync += s.pc.eq(self._sm_base(s, par))
+        m.d.comb += s.pc_set.eq(self._sm_base(s, par))
         with m.If(s.m_ok):
             m.d.comb += s.enter_sm.eq(1)
             m.d.sync += s.phase.eq(Phase.SM)
@@ -741,7 +751,8 @@ class Core(wiring.Component):
                         m.d.sync += [s.phase.eq(Phase.PAUSED), s.resume_to.eq(Phase.WAIT_M),
                                      s.pause_at.eq(PausePoint.S_RAW), s.resume_pc.eq(s.base("sm"))]
                     with m.Elif(s.init_after_s):
-                        m.d.sync += [s.phase.eq(Phase.INIT), s.pc.eq(s.base("init"))]
+                        m.d.sync += s.phase.eq(Phase.INIT)
+                        m.d.comb += s.pc_set.eq(s.base("init"))
                     with m.Else():
                         self._enter_sm(m, s, par)
 
@@ -775,7 +786,8 @@ class Core(wiring.Component):
         with m.Elif(~last_tile & ~s_mid & s.kn_ok):
             self._start_s(m, s)                # back-to-back tiles: no bubble
         with m.Else():
-            m.d.sync += [phase.eq(nxt), s.pc.eq(nxt_pc)]
+            m.d.sync += phase.eq(nxt)
+            m.d.comb += s.pc_set.eq(nxt_pc)
 
     def _run_rom(self, m, s, on_last):
         """Issue the ROM word at ``pc`` unless it waits for a return value;
@@ -786,7 +798,7 @@ class Core(wiring.Component):
             with m.If((word.ctl.tree != TreeOp.NONE) | word.ctl.rcp):
                 m.d.comb += s.clear.eq(_onehot(word.ctl.tag, 3 * self.regs.wr))
             pc_next = pc + 1
-            m.d.sync += pc.eq(pc_next)
+            m.d.comb += s.pc_set.eq(pc_next)
             with m.If(word.last):
                 on_last()
             with m.Elif(word.pause & s.cmd.pause[PausePoint.S]):
@@ -800,7 +812,7 @@ class Core(wiring.Component):
         g = self.regs
         C, Bc = cfg.array_cols, cfg.bc
         wr, wc, odm, mhd = g.wr, g.wc, g.od, cfg.max_head_dim
-        cmd, phase, pc, base, iss, release = s.cmd, s.phase, s.pc, s.base, s.iss, s.release
+        cmd, phase, base, iss, release = s.cmd, s.phase, s.base, s.iss, s.release
         k, a, n, kc, kb, tile = s.k, s.a, s.n, s.kc, s.kb, s.tile
         p = self.cmd.payload
         bad = (p.head_dim == 0) | (p.head_dim > mhd) | (p.n_kv == 0)
@@ -823,7 +835,8 @@ class Core(wiring.Component):
             if early:
                 m.d.sync += phase.eq(Phase.WAIT_K)
             else:
-                m.d.sync += [phase.eq(Phase.INIT), pc.eq(base("init", od_new))]
+                m.d.sync += phase.eq(Phase.INIT)
+                m.d.comb += s.pc_set.eq(base("init", od_new))
 
         with m.Switch(phase):
             with m.Case(Phase.IDLE):
@@ -914,7 +927,8 @@ class Core(wiring.Component):
                     accept(early=True)
             with m.Case(Phase.PAUSED):
                 with m.If(self.resume & self.paused):
-                    m.d.sync += [phase.eq(s.resume_to), pc.eq(s.resume_pc)]
+                    m.d.sync += phase.eq(s.resume_to)
+                    m.d.comb += s.pc_set.eq(s.resume_pc)
 
     # --------------------------------------------------------------- O read-out
     def _readout(self, m, s, arr):

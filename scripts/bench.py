@@ -651,8 +651,11 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
     L.append("![roofline](roofline.png)\n")
     L.append("Prefill sits far right of every ridge; what it loses to the compute roof is the core's own "
              f"phases: the softmax ({tmr.softmax_cycles(cfg, 128)} cycles per pair, from the "
-             f"{tmr.source(cfg, 128)}) and, per q tile, the init, reciprocal/normalisation and O read-out "
-             f"({tmr.init_cycles(cfg, 128)} + {tmr.final_cycles(cfg, 128)} + {tmr.out_cycles(cfg, 128)} cycles); "
+             f"{tmr.source(cfg, 128)}) and, per q tile, the init and reciprocal/normalisation "
+             f"({tmr.init_cycles(cfg, 128)} + {tmr.final_cycles(cfg, 128)} cycles) and the O read-out "
+             f"({tmr.out_cycles(cfg, 128)} cycles for a full q tile), "
+             + ("which runs beside the next q tile's first Q·Kᵀ except after the last q tile; "
+                if tmr.early_accept else "; ") +
              f"once per job the first q tile's wait for Q and K_0 ({q1['start_stall']} cycles at d = 128) and "
              f"the last O write-back ({q1['tail']}); and, when K/V stream (seq_kv > {cfg.kv_slots * cfg.bc}), "
              "the DMA's share of the TSV link. "
