@@ -364,8 +364,8 @@ def _json_section(path: Path, producer: str) -> str:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         return f"_unreadable_: `{path.as_posix()}` ({e})."
-    when = _dt.datetime.fromtimestamp(path.stat().st_mtime, _dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    out = [f"Read from `{path.as_posix()}` (written {when})."]
+    # no date: a file's mtime is its checkout time in a clone, not when it was measured
+    out = [f"Read from `{path.as_posix()}`."]
     rows = data if isinstance(data, list) else data.get("rows", []) if isinstance(data, dict) else []
     if isinstance(data, dict):
         for k, v in data.items():
