@@ -36,7 +36,7 @@ WAVES_FLAG  := $(if $(filter 1 yes true,$(WAVES)),--waves build/waves/sim.vcd,)
 help:
 	@echo "make sim      RTL simulation of an attention job, checked against the golden model"
 	@echo "make lint     ruff (rules in pyproject.toml) over every Python file"
-	@echo "make test     the default test suite (about 18 min on 2 cores from a fresh clone)"
+	@echo "make test     the default test suite (about 14 min on 2 cores from a fresh clone)"
 	@echo "make test-all every test, including the slow ones"
 	@echo "make verilog  Verilog of the NPU (ROWS= COLS=)"
 	@echo "make fpga     synthesis and place-and-route report"
