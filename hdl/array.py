@@ -9,19 +9,31 @@ per row), K or V down a PE column (one value per column).  So the array
 has no systolic skew: a broadcast costs wire, a systolic mesh costs R + C
 cycles of fill/drain per phase and per-PE operand registers.  With only
 2 x 2 scores per PE the phases are short (512 cycles), so the skew would
-show.  The operands are registered once, uniformly, in the feeders (the
-synchronous tile-buffer reads), and the P broadcast is registered in the
-source PE (its synchronous register-file port), so every bus is driven from
-a flop and crosses one row or column of PEs before the MAC.
+show.  Instead the distribution is pipelined, uniformly: the core drives
+the control word, the Q lane of each row, the K/V lane of each column and
+the visibility bits from its operand-stage flops, and every PE row
+registers all of them once more (the row's operand stage: ``ctl_e0``,
+``a16_e0``, ``b16_<c>``, ``vis_e0``) before its PEs see them in their stage
+E0.  So the core's lane selects end at a flop, and each flop of a row
+drives one row's C PEs (a row-long wire) instead of the whole array.  The
+P broadcast joins the Q lane before that register: the source PE's
+synchronous register-file port (a flop inside the PE), the row's psel mux,
+then ``a16_e0``.  Every word and operand takes the same one extra cycle, so
+the PEs' relative timing (``pe.OP_TIMING``), the programs and the schedule
+do not change; the synchronous read port's address ``sa`` is not delayed,
+and the register check (``Core``) verifies that every read still meets its
+writes.  Measured: cycle-neutral on every core job of
+``tb/unit/test_array.py``; ECP5 Fmax in ``results/fpga.md``.
 
 ::
 
-               col_b16[0]   col_b16[1]   ...          (K or V, feeder flops)
+               col_b16[0]   col_b16[1]   ...          (K or V, core flops)
+                 [b16_0]      [b16_1]                 (row operand stage)
                    │            │
-     row_a16[r] ─►┌┴──┐      ┌─┴─┐
-     (Q, flop)    │PE │ ...  │PE │ ─ sd (sync RF port, flop) ─┐
-        ▲         └┬──┘      └─┬─┘                            │
-        │   P ◄─ mux by psel over the row's sd ◄──────────────┘
+     row_a16[r] ─►[a16_e0]─►┌┴──┐      ┌─┴─┐           ctl, vis: [ctl_e0], [vis_e0]
+     (Q, flop)     ▲        │PE │ ...  │PE │ ─ sd (sync RF port, flop) ─┐
+        ▲          │        └┬──┘      └─┬─┘                            │
+        │          P ◄─ mux by psel over the row's sd ◄─────────────────┘
         │          │ t         │ t
         │        ┌─┴───────────┴─┐
         │        │ RowReduce tree │ (log2 C registered levels)
@@ -37,8 +49,11 @@ Pipeline registers between PEs and why they exist:
   write them, all C PEs of the row read them (a row-long wire) in later
   cycles, and they hold each row's max, sum and 1/l until used, which lets
   the sequencer schedule the consumers freely;
+* the row's operand stage (above): it pipelines the distribution of the
+  control word and the operand buses, so no wire from the core's lane
+  selects reaches a multiplier in the same cycle;
 * the P broadcast is taken from the source PE's synchronous register-file
-  port (the flop is inside the PE), read one cycle ahead of its use.
+  port (the flop is inside the PE), read two cycles ahead of its use.
 
 With ``pe_as_instance=True`` the PE rows, PEs, tree nodes and reciprocal
 units are Verilog ``Instance``s of modules generated once
@@ -142,20 +157,27 @@ class PeRow(wiring.Component):
 
     Ports
     -----
-    ctl : In(ctl_layout)        control word (same cycle as the operands)
+    ctl : In(ctl_layout)        control word (same cycle as the operands; the PEs
+                                execute it one cycle later, after the row's
+                                operand stage)
     q16 : In(16)                the row's Q operand (S phase)
     col_b16 : In(ArrayLayout(16, C))  K or V operand of each PE column
     psel : In(range(C))         P.V: PE column whose ``sd`` drives the P broadcast
     cst : In(32)                score constant
     vis : In(C)                 visibility bit of each PE (SCALE and MAC ops)
-    sa : In(log2 regs)          synchronous read address (one cycle ahead)
+    sa : In(log2 regs)          synchronous read address (the data ``sd`` follow
+                                one cycle later; for P.V, one cycle before the
+                                word's ``ctl``)
     sd : Out(ArrayLayout(32, C))  every PE's synchronous read data
     pnz : Out(range(C + 1))     non-zero P written by the row's PEXP ops (registered
-                                again: 2 cycles after the op)
-    msk : Out(range(C + 1))     masked (skipped) MACs of the row, 2 cycles after the op
+                                again: 3 cycles after the word enters ``ctl``)
+    msk : Out(range(C + 1))     masked (skipped) MACs of the row, 3 cycles after
+                                the word enters ``ctl``
     ev_tree, ev_tree_tag, ev_rcp, ev_rcp_tag : Out
-        the tree / the reciprocal delivers a result with this tag this cycle
-        (it is in the return registers from the next cycle)
+        the tree / the reciprocal delivers a result with this tag in the next
+        cycle (it is in the return registers from the cycle after): one cycle
+        ahead, so the core sees them at the time it would without the row's
+        operand stage
     """
 
     def __init__(self, config: NPUConfig, pe_as_instance: bool = False):
@@ -181,8 +203,14 @@ class PeRow(wiring.Component):
         cfg = self.config
         C = cfg.array_cols
         wr = cfg.rows_per_pe
-        ctl = self.ctl
         tagw = _bits(3 * wr)
+        # --- the row's operand stage (see the module docstring): the control
+        # word, the operand buses and the visibility bits enter the row's
+        # flops and reach its PEs one cycle later (their stage E0)
+        ctl = Signal(ctl_layout(cfg), name="ctl_e0")
+        b16 = [Signal(16, name=f"b16_{c}") for c in range(C)]
+        vis = Signal(C, name="vis_e0")
+        m.d.sync += [ctl.eq(self.ctl), vis.eq(self.vis)] + [b16[c].eq(self.col_b16[c]) for c in range(C)]
         if self.pe_as_instance:
             # port bundles only: the PE itself is the shared Verilog module
             proto = Pe(cfg)
@@ -200,33 +228,39 @@ class PeRow(wiring.Component):
             m.d.sync += ret[tree.res_tag].eq(tree.res)
         # --- reciprocal: operand is T of PE (r, 0)
         rcp_tag = Signal(tagw)
-        rdone, ro = Signal(), Signal(32)
+        rdone, rnext, ro = Signal(), Signal(), Signal(32)
         if self.pe_as_instance:
             m.submodules.rcp = Instance(
                 RECIP_MODULE, i_clk=ClockSignal(), i_rst=ResetSignal(), i_start=ctl.rcp,
-                i_x=pes[0].t, o_busy=Signal(name="rcp_busy"), o_done=rdone, o_o=ro)
+                i_x=pes[0].t, o_busy=Signal(name="rcp_busy"), o_done=rdone, o_done_next=rnext,
+                o_o=ro)
         else:
             m.submodules.rcp = rc = Recip()
-            m.d.comb += [rc.start.eq(ctl.rcp), rc.x.eq(pes[0].t), rdone.eq(rc.done), ro.eq(rc.o)]
+            m.d.comb += [rc.start.eq(ctl.rcp), rc.x.eq(pes[0].t), rdone.eq(rc.done),
+                         rnext.eq(rc.done_next), ro.eq(rc.o)]
         with m.If(ctl.rcp):
             m.d.sync += rcp_tag.eq(ctl.tag)
         with m.If(rdone):
             m.d.sync += ret[rcp_tag].eq(ro)
-        m.d.comb += [self.ev_tree.eq(tree.res_valid), self.ev_tree_tag.eq(tree.res_tag),
-                     self.ev_rcp.eq(rdone), self.ev_rcp_tag.eq(rcp_tag)]
+        # the events are reported one cycle ahead of the result, so that they
+        # keep their timing against the core's issue stage across the
+        # operand stage
+        m.d.comb += [self.ev_tree.eq(tree.res_valid_next), self.ev_tree_tag.eq(tree.res_tag_next),
+                     self.ev_rcp.eq(rnext), self.ev_rcp_tag.eq(rcp_tag)]
         # the op's returned value, registered twice: it reaches the PEs in
         # stage E2 (``pe.RET_STAGE``), from a flop, over the row-long wire
         ret_sel1 = Signal.like(ctl.ret_sel)
         ret_sel = Signal(32)
         m.d.sync += [ret_sel1.eq(ctl.ret_sel), ret_sel.eq(ret[ret_sel1])]
         # --- P broadcast: the psel column's synchronous read
+        # (Q or P, chosen by the incoming word and registered with it)
         sds = Array([pe.sd for pe in pes])
-        a16 = Signal(16)
-        m.d.comb += a16.eq(Mux(ctl.pv, sds[self.psel][0:16], self.q16))
+        a16 = Signal(16, name="a16_e0")
+        m.d.sync += a16.eq(Mux(self.ctl.pv, sds[self.psel][0:16], self.q16))
         for c, pe in enumerate(pes):
             m.d.comb += [
-                pe.ctl.eq(ctl), pe.a16.eq(a16), pe.b16.eq(self.col_b16[c]), pe.cst.eq(self.cst),
-                pe.vis.eq(self.vis[c]), pe.ret.eq(ret_sel), pe.sa.eq(self.sa),
+                pe.ctl.eq(ctl), pe.a16.eq(a16), pe.b16.eq(b16[c]), pe.cst.eq(self.cst),
+                pe.vis.eq(vis[c]), pe.ret.eq(ret_sel), pe.sa.eq(self.sa),
                 tree.leaves[c].eq(pe.t), self.sd[c].eq(pe.sd),
             ]
             if self.pe_as_instance:
@@ -257,7 +291,8 @@ class PeArray(wiring.Component):
     Ports
     -----
     ctl : In(ctl_layout)
-        Control word, aligned with the operand buses (same cycle).
+        Control word, aligned with the operand buses (same cycle); the PEs
+        execute it one cycle later (the rows' operand stage).
     row_a16 : In(ArrayLayout(16, R))
         Q operand of each PE row (S phase).
     col_b16 : In(ArrayLayout(16, C))
@@ -269,21 +304,24 @@ class PeArray(wiring.Component):
     vis : In(ArrayLayout(1, R * C))
         Visibility bit of PE (r, c) at index r * C + c (SCALE and MAC ops).
     sa : In(log2 regs)
-        Synchronous read address of every PE (one cycle ahead of use).
+        Synchronous read address of every PE (``rd_data`` and the P
+        broadcast follow one cycle later).
     rd_row : In(range(R))
         Row whose ``sd`` values appear on ``rd_data`` (aligned with ``sd``,
         i.e. give it one cycle after the ``sa`` it belongs to).
     rd_data : Out(ArrayLayout(32, C))
         ``sd`` of the PEs of row ``rd_row`` (combinational from flops).
     pnz : Out(range(R * C + 1))
-        Non-zero P written by PEXP ops over the array, 3 cycles after the
-        op (PE, row and array register stages): the S-tile check's input.
+        Non-zero P written by PEXP ops over the array, 4 cycles after the
+        word enters ``ctl`` (row operand, PE, row and array register
+        stages): the S-tile check's input.
     msk : Out(range(R * C + 1))
-        MACs skipped at masked positions over the array, 3 cycles after the
-        op: the core's ``ops_masked``.
+        MACs skipped at masked positions over the array, 4 cycles after the
+        word enters ``ctl``: the core's ``ops_masked``.
     ev_tree, ev_tree_tag : Out(1), Out(tag)
-        PE row 0's tree delivers a result with this tag this cycle (it is in
-        the return registers from the next cycle; all rows run in lockstep).
+        PE row 0's tree delivers a result with this tag in the next cycle
+        (it is in the return registers from the cycle after; all rows run in
+        lockstep).
     ev_rcp, ev_rcp_tag : Out(1), Out(tag)
         Likewise for PE row 0's reciprocal.
     """
@@ -337,7 +375,7 @@ class PeArray(wiring.Component):
                      self.ev_rcp.eq(rows[0].ev_rcp), self.ev_rcp_tag.eq(rows[0].ev_rcp_tag)]
         sd_rows = Array([rows[r].sd.as_value() for r in range(R)])
         m.d.comb += self.rd_data.eq(sd_rows[self.rd_row])
-        # S-tile check: non-zero P over the array, 3 cycles after the PEXP op
+        # S-tile check: non-zero P over the array, 4 cycles after the PEXP word
         m.d.sync += self.pnz.eq(sum(row.pnz for row in rows))
         m.d.sync += self.msk.eq(sum(row.msk for row in rows))
         return m

@@ -79,7 +79,22 @@ Where each box is built (``Core.elaborate`` composes them in this order):
 
 Pipeline: the sequencer *issues* a step in cycle t (tile-buffer and PE
 read addresses); the operands come out of synchronous reads in cycle t+1,
-when the control word (registered once) reaches the PEs (their stage E0).
+when the control word is registered once and the lane selects put the
+operands on the array's buses; every PE row registers word, operands and
+visibility bits once more (``array.PeRow``'s operand stage), so they reach
+the PEs (their stage E0) in cycle t+2::
+
+   cycle   t           t+1                        t+2           t+3 ..
+           issue       ctl_d, buffer data,        row flops     E1 .. E16
+           (addresses)  lane select -> buses       = PE E0       (pe.OP_TIMING)
+           sa (P, O)   sd -> psel mux -> a16_e0
+
+The synchronous port's address ``sa`` is not delayed: a P operand is read
+in cycle t and crosses the row's psel mux into ``a16_e0`` in t+1, with the
+rest of its word.  The row reports tree and reciprocal results one cycle
+ahead, so the return-register scoreboard keeps its timing against the
+issue stage, and the programs and loops are cycle for cycle what they were
+with one operand register.
 The programs come in one variant per O-column count od (1..od_max), each
 scheduled for the PE pipeline, so a program never skips words at run time.
 A pause takes effect (``paused``) once the PEs' pipelines have drained.
@@ -435,7 +450,7 @@ class Core(wiring.Component):
         The first such read: register index (``register_name``), the phase
         and kv tile of the step that read it.
     pnz : Out(range(R * C + 1))
-        Non-zero P entries the array's PEXP ops wrote, 3 cycles after the ops
+        Non-zero P entries the array's PEXP ops wrote, 4 cycles after the ops
         (``PeArray.pnz``): summed per kv tile by the S-tile check.
     ev : Out(event_layout)
         This cycle's events, which the counters above and the NPU's job
@@ -487,12 +502,16 @@ class Core(wiring.Component):
         full = bufs.full
         m.d.comb += [self.full.eq(full), bufs.release.eq(release)]
 
-        pc, pc_set, word, base = self._rom(m, od)
-        s = self._sequencer(m, arr, cmd, od, full, release, pc, pc_set, word, base)
+        pc, pc_set, word, base, rom_hold = self._rom(m, od)
+        s = self._sequencer(m, arr, cmd, od, full, release, pc, pc_set, word, base, rom_hold)
         in_out = self._readout(m, s, arr)
         ctl_d = self._operands(m, s, arr, bufs)
-        m.d.comb += s.ctl_op.eq(ctl_d.op)
-        self._register_check(m, s, arr, ctl_d, in_out)
+        # the word in the PEs' stage E0: the PE rows register the control
+        # word once more (``PeRow``: the row's operand stage)
+        ctl_e0 = Signal(ctl_layout(cfg))
+        m.d.sync += ctl_e0.eq(ctl_d)
+        m.d.comb += s.ctl_op_row.eq(ctl_d.op)
+        self._register_check(m, s, arr, ctl_e0, in_out)
         self._counters(m, s, ctl_d, arr)
         return m
 
@@ -509,7 +528,11 @@ class Core(wiring.Component):
         register that holds the word at ``pc`` in the same cycle as ``pc``
         itself: no ROM lookup lies between the program counter and the
         issue logic (on the 2 x 2 core on the ECP5 that lookup was part of
-        the critical path, ``results/fpga.md``)."""
+        the critical path, ``results/fpga.md``).  A word that waits for a
+        return value holds both (``rom_hold``: the ROM's read enable and
+        the pc register's), so the wait does not lie on the path to the
+        ROM's address either: ``_run_rom`` sets ``pc_set`` whether or not
+        the word issues.  Returns ``rom_hold`` as a fifth value."""
         progs = self.programs
         starts = {}
         words = []
@@ -522,16 +545,20 @@ class Core(wiring.Component):
         rom = rom_mem.read_port(domain="sync")
         pc = Signal(range(len(words)))
         pc_set = Signal.like(pc)
-        m.d.comb += [pc_set.eq(pc), rom.addr.eq(pc_set)]
-        m.d.sync += pc.eq(pc_set)
+        rom_hold = Signal()
+        m.d.comb += [pc_set.eq(pc), rom.addr.eq(pc_set), rom.en.eq(~rom_hold)]
+        m.d.sync += pc.eq(Mux(rom_hold, pc, pc_set))
         word = rom.data
+        # INIT reads no return register, so it runs without the wait logic
+        # (``_run_rom(waits=False)``)
+        assert not any(w["wait"] for k in progs["init"] for w in progs["init"][k])
 
         def base(name, od_value=od):
             return Array([Const(x, pc.shape()) for x in starts[name]])[od_value - 1]
-        return pc, pc_set, word, base
+        return pc, pc_set, word, base, rom_hold
 
     # --------------------------------------------------------------- sequencer
-    def _sequencer(self, m, arr, cmd, od, full, release, pc, pc_set, word, base):
+    def _sequencer(self, m, arr, cmd, od, full, release, pc, pc_set, word, base, rom_hold):
         """The tile sequencer: its registers, the status ports, the
         return-register scoreboard and the phase FSM (``_phase_fsm``).
 
@@ -580,16 +607,27 @@ class Core(wiring.Component):
         vis_en = Signal.like(vis_e)
         # The PEs' pipelines are empty (``s_quiet``) when no op issued so far
         # is still active: ``paused`` waits for it (the MACs of the S loop or
-        # of P.V may still be writing when a pause begins), and so does a new
-        # command after a core that stopped on a register-check error.
+        # of P.V may still be writing when a pause begins).  A new command
+        # (also after a core that stopped on a register-check error) waits
+        # for ``s_ready``, the same count one cycle ahead: measured from the
+        # word in the rows' operand stage, as if it were in E0.  Its first op
+        # reaches E0 two cycles after the accept at the earliest, so it
+        # follows the last op of the previous command at the same distance
+        # as with one operand register, and a q tile's epilogue costs no
+        # cycle for the row's operand stage; only the last op's final write
+        # may land in the accept cycle (the register check keeps it).
+        s_ready = Signal()
         s_quiet = Signal()
         left = Signal(range(PIPE_DEPTH + 1))      # cycles of activity left after this one
-        ctl_op = Signal(PeOp)                     # op of the control word the PEs execute now
+        ctl_op_row = Signal(PeOp)                 # op of the word in the rows' operand stage
         op_left = Signal.like(left)
         m.d.comb += op_left.eq(Array([Const(OP_TIMING[op].last_stage(), left.shape())
-                                      for op in PeOp])[ctl_op])
+                                      for op in PeOp])[ctl_op_row])
         m.d.sync += left.eq(Mux(op_left > left, op_left, Mux(left == 0, 0, left - 1)))
-        m.d.comb += s_quiet.eq((left == 0) & (ctl_op == PeOp.NOP))
+        ready_d = Signal()
+        m.d.comb += s_ready.eq((left == 0) & (ctl_op_row == PeOp.NOP))
+        m.d.sync += ready_d.eq(s_ready)
+        m.d.comb += s_quiet.eq(s_ready & ready_d)
         m.d.comb += [self.phase.eq(phase), self.pause_at.eq(pause_at), self.tile.eq(tile),
                      self.paused.eq((phase == Phase.PAUSED) & s_quiet),
                      self.busy.eq(phase != Phase.IDLE)]
@@ -665,6 +703,7 @@ class Core(wiring.Component):
 
         s = SimpleNamespace(
             cmd=cmd, od=od, full=full, release=release_o, release_s=release_s, pc=pc, pc_set=pc_set,
+            rom_hold=rom_hold,
             word=word,
             base=base, phase=phase, resume_to=resume_to, resume_pc=resume_pc, pause_at=pause_at,
             tile=tile, vis_d=vis_d, vis_e=vis_e, vis_f=vis_f, vis_dn=vis_dn, vis_en=vis_en,
@@ -677,7 +716,7 @@ class Core(wiring.Component):
             out_on=out_on, o_od=o_od, o_last=o_last, init_after_s=init_after_s, out_end=out_end,
             enter_s=enter_s, accept=accept, rom_stall=rom_stall, clear=clear, gap=gap, gap_pv=gap_pv,
             pv_last=pv_last,
-            quiet=s_quiet, ctl_op=ctl_op)
+            quiet=s_quiet, ready=s_ready, ctl_op_row=ctl_op_row)
         self._phase_fsm(m, s)
 
         # test-only faults for the register check (override the issued word)
@@ -789,16 +828,23 @@ class Core(wiring.Component):
             m.d.sync += phase.eq(nxt)
             m.d.comb += s.pc_set.eq(nxt_pc)
 
-    def _run_rom(self, m, s, on_last):
-        """Issue the ROM word at ``pc`` unless it waits for a return value;
-        ``on_last`` adds the actions of the program's last word."""
+    def _run_rom(self, m, s, on_last, waits: bool = True):
+        """Issue the ROM word at ``pc`` unless it waits for a return value
+        (``waits``: the program has such words; then a waiting word holds
+        the ROM and the pc, ``rom_hold``, and ``pc_set`` is pc + 1 either
+        way, which ``on_last`` must not change); ``on_last`` adds the
+        actions of the program's last word."""
         word, pc = s.word, s.pc
-        with m.If(~s.rom_stall):
+        pc_next = pc + 1
+        stall = s.rom_stall if waits else Const(0)
+        if waits:
+            m.d.comb += [s.pc_set.eq(pc_next), s.rom_hold.eq(s.rom_stall)]
+        with m.If(~stall):
             m.d.comb += [s.iss.eq(word.ctl), s.iss_a.eq(word.a), s.iss_b.eq(word.b)]
             with m.If((word.ctl.tree != TreeOp.NONE) | word.ctl.rcp):
                 m.d.comb += s.clear.eq(_onehot(word.ctl.tag, 3 * self.regs.wr))
-            pc_next = pc + 1
-            m.d.comb += s.pc_set.eq(pc_next)
+            if not waits:
+                m.d.comb += s.pc_set.eq(pc_next)
             with m.If(word.last):
                 on_last()
             with m.Elif(word.pause & s.cmd.pause[PausePoint.S]):
@@ -840,8 +886,8 @@ class Core(wiring.Component):
 
         with m.Switch(phase):
             with m.Case(Phase.IDLE):
-                m.d.comb += self.cmd.ready.eq(s.quiet)
-                with m.If(self.cmd.valid & s.quiet):
+                m.d.comb += self.cmd.ready.eq(s.ready)
+                with m.If(self.cmd.valid & s.ready):
                     m.d.sync += self.err.eq(bad)
                     with m.If(~bad):
                         accept(early=False)
@@ -853,7 +899,7 @@ class Core(wiring.Component):
                     with m.Else():
                         m.d.sync += phase.eq(Phase.WAIT_K)
                 with m.If(~s.out_on):               # after an early accept: once O is out
-                    self._run_rom(m, s, init_last)
+                    self._run_rom(m, s, init_last, waits=False)
             with m.Case(Phase.WAIT_K):
                 with m.If(s.k_ok):
                     self._start_s(m, s)
@@ -920,7 +966,7 @@ class Core(wiring.Component):
                 # the read-out (``_readout``) runs on its own: the next q
                 # tile's command is taken now unless it pauses, and its first
                 # Q.K^T streams while O goes out (early accept)
-                early = self.cmd.valid & s.quiet & ~bad & (p.pause == 0)
+                early = self.cmd.valid & s.ready & ~bad & (p.pause == 0)
                 m.d.comb += self.cmd.ready.eq(early)
                 with m.If(early):
                     m.d.sync += self.err.eq(0)
@@ -949,8 +995,15 @@ class Core(wiring.Component):
             nx_r.eq(Mux((o_n == od - 1) & (o_a == wr - 1), o_r + 1, o_r)),
         ]
         use_r = Mux(fire, nx_r, o_r)
-        use_a = Mux(fire, nx_a, o_a)
-        use_n = Mux(fire, nx_n, o_n)
+        # the O_acc addresses of this beat and the next in registers (beat 0
+        # and 1 outside a read-out: the indices rest at 0), so only the
+        # ``fire`` mux lies between them and the PEs' read port
+        sa_cur = Signal(range(self.config.pe_registers), name="o_sa")
+        sa_nxt = Signal.like(sa_cur, name="o_sa_next")
+        nx2_n = Mux(nx_n == od - 1, 0, nx_n + 1)
+        nx2_a = Mux(nx_n == od - 1, Mux(nx_a == wr - 1, 0, nx_a + 1), nx_a)
+        m.d.sync += [sa_cur.eq(g.o_base + Mux(fire, nx_a, o_a) * odm + Mux(fire, nx_n, o_n)),
+                     sa_nxt.eq(g.o_base + Mux(fire, nx2_a, nx_a) * odm + Mux(fire, nx2_n, nx_n))]
         in_out = s.out_on
         m.d.comb += [
             self.o.valid.eq(in_out & primed),
@@ -964,8 +1017,10 @@ class Core(wiring.Component):
             with m.If(fire):
                 m.d.sync += [o_r.eq(nx_r), o_a.eq(nx_a), o_n.eq(nx_n)]
                 with m.If(last_beat):
+                    # back to beat 0, which ``sa_cur`` then follows
                     m.d.comb += s.out_end.eq(1)
-                    m.d.sync += [s.out_on.eq(0), self.done.eq(1), primed.eq(0)]
+                    m.d.sync += [s.out_on.eq(0), self.done.eq(1), primed.eq(0),
+                                 o_r.eq(0), o_a.eq(0), o_n.eq(0)]
                     with m.If((phase == Phase.OUT) & ~s.accept):
                         m.d.sync += phase.eq(Phase.IDLE)
 
@@ -974,7 +1029,7 @@ class Core(wiring.Component):
         with m.If(s.use_pv_sa):
             m.d.comb += arr.sa.eq(s.sa_pv)
         with m.Elif(in_out):
-            m.d.comb += arr.sa.eq(g.o_base + use_a * odm + use_n)
+            m.d.comb += arr.sa.eq(Mux(fire, sa_nxt, sa_cur))
             m.d.sync += rd_row_d.eq(use_r)
         with m.Else():
             m.d.comb += arr.sa.eq(self.dbg_addr)
@@ -987,15 +1042,22 @@ class Core(wiring.Component):
         """Operand fetch (``bufs`` read addresses of the issued step), the
         operand stage one cycle later (control word register, Q/K/V lanes
         onto the array's buses) and the visibility bits.  Returns ``ctl_d``,
-        the control word the array executes this cycle."""
+        the control word on the array's ``ctl`` input this cycle (the PEs
+        execute it in the next, after the rows' operand stage)."""
         cfg = self.config
         R, C = cfg.array_rows, cfg.array_cols
         wr, wc, odm = self.regs.wr, self.regs.wc, self.regs.od
         cmd, od = s.cmd, s.od
         iss, iss_a, iss_b, iss_k, iss_n, iss_kc = s.iss, s.iss_a, s.iss_b, s.iss_k, s.iss_n, s.iss_kc
         # --------------------------------------------- operand fetch (issue)
-        m.d.comb += [bufs.half.eq(s.half ^ s.ins), bufs.q_row.eq(iss_a), bufs.k_row.eq(iss_b),
-                     bufs.v_row.eq(iss_k)]
+        # The addresses come straight from the loops' own registers (S: sa,
+        # sb and the K half, which is tile + 1's in the softmax, where only
+        # the run-ahead S steps read K; P.V: k) and, for the mask, from the
+        # ROM word: each is valid whether or not its step issues, so no
+        # issue decision (ROM stall, free slot) lies on the path from the
+        # sequencer to a buffer's read port.
+        m.d.comb += [bufs.half.eq(s.half ^ (s.phase == Phase.SM)), bufs.q_row.eq(s.sa),
+                     bufs.k_row.eq(s.sb), bufs.m_row.eq(s.word.a), bufs.v_row.eq(s.k)]
 
         # ------------------------------------- operand stage (issue + 1 cycle)
         # One register stage for the control word and the step indices, so
@@ -1154,15 +1216,16 @@ class Core(wiring.Component):
         # reads it after an early accept, and is forgotten when it ends
         o_mask = Const(sum(1 << g.O(a, n) for a in range(g.wr) for n in range(g.od)), NR)
         with m.If(s.accept):
-            m.d.sync += written.eq(Mux(s.out_on & ~s.out_end, written & o_mask, 0))
+            m.d.sync += written.eq(Mux(s.out_on & ~s.out_end, (written | wr_now_s) & o_mask, 0))
         with m.Else():
             m.d.sync += written.eq((written & ~forget & ~Mux(s.out_end, o_mask, 0)) | wr_now_s)
-        # phase and kv tile of the word in E0, E1 (a Q.K^T step that runs
-        # ahead counts as phase S of tile + 1)
-        phase_d = [Signal(Phase, name=f"chk_phase{i}") for i in range(2)]
-        tile_d = [Signal.like(tile, name=f"chk_tile{i}") for i in range(2)]
-        m.d.sync += [phase_d[0].eq(Mux(s.ins, Phase.S, phase)), tile_d[0].eq(tile + s.ins),
-                     phase_d[1].eq(phase_d[0]), tile_d[1].eq(tile_d[0])]
+        # phase and kv tile of the word in the rows' operand stage, E0 and E1
+        # (a Q.K^T step that runs ahead counts as phase S of tile + 1)
+        phase_d = [Signal(Phase, name=f"chk_phase{i}") for i in range(3)]
+        tile_d = [Signal.like(tile, name=f"chk_tile{i}") for i in range(3)]
+        m.d.sync += [phase_d[0].eq(Mux(s.ins, Phase.S, phase)), tile_d[0].eq(tile + s.ins)]
+        m.d.sync += [phase_d[i].eq(phase_d[i - 1]) for i in range(1, 3)]
+        m.d.sync += [tile_d[i].eq(tile_d[i - 1]) for i in range(1, 3)]
         seen = written | wr_now_s
 
         def bad(addr, pending):
@@ -1177,11 +1240,11 @@ class Core(wiring.Component):
         with m.If(viol):
             m.d.sync += [self.reg_err.eq(1), phase.eq(Phase.IDLE), self.done.eq(0)]
             with m.If(bad_a):
-                m.d.sync += [self.reg_err_addr.eq(ra1), self.reg_err_phase.eq(phase_d[1]),
-                             self.reg_err_tile.eq(tile_d[1])]
+                m.d.sync += [self.reg_err_addr.eq(ra1), self.reg_err_phase.eq(phase_d[2]),
+                             self.reg_err_tile.eq(tile_d[2])]
             with m.Elif(bad_b):
-                m.d.sync += [self.reg_err_addr.eq(rb1), self.reg_err_phase.eq(phase_d[1]),
-                             self.reg_err_tile.eq(tile_d[1])]
+                m.d.sync += [self.reg_err_addr.eq(rb1), self.reg_err_phase.eq(phase_d[2]),
+                             self.reg_err_tile.eq(tile_d[2])]
             with m.Else():
                 m.d.sync += [self.reg_err_addr.eq(arr.sa), self.reg_err_phase.eq(phase),
                              self.reg_err_tile.eq(tile)]
@@ -1199,7 +1262,7 @@ class Core(wiring.Component):
             ev.mac.eq(ctl_d.op == PeOp.MAC),
             ev.exp2.eq((ctl_d.op == PeOp.PEXP) | (ctl_d.op == PeOp.MALPHA)),
             ev.recip.eq(ctl_d.rcp),
-            # the array's count of masked MACs (3 cycles after the ops; the
+            # the array's count of masked MACs (4 cycles after the ops; the
             # pipeline is quiet before a command is accepted)
             ev.masked.eq(arr.msk),
             ev.softmax.eq(phase == Phase.SM),

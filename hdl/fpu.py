@@ -942,6 +942,9 @@ class Recip(wiring.Component):
         1 in cycles 1 .. LATENCY-1 after a start.
     done : Out(1)
         One-cycle pulse in cycle LATENCY after the start cycle (cycle 0).
+    done_next : Out(1)
+        ``done`` in the next cycle (1 in cycle LATENCY - 1 unless a new start
+        abandons the division), for consumers one register stage ahead.
     o : Out(32)
         binary32 1/x, valid from the done cycle; holds until the next result.
 
@@ -958,6 +961,7 @@ class Recip(wiring.Component):
     x: In(32)
     busy: Out(1)
     done: Out(1)
+    done_next: Out(1)
     o: Out(32)
 
     # special classes of the latched operand
@@ -1021,6 +1025,7 @@ class Recip(wiring.Component):
         m.d.comb += [
             self.busy.eq(count != 0),
             finish.eq(count == 1),
+            self.done_next.eq(finish & ~self.start),
         ]
         m.d.sync += self.done.eq(0)
         with m.If(self.start):

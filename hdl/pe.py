@@ -29,7 +29,8 @@ and ``U`` (m_new of the row being exponentiated).
 Pipeline
 --------
 The control word, the bus operands (a16, b16) and ``vis`` arrive in stage
-E0; the op's fields travel down a stage pipeline (``st``), and every op
+E0, each from a flop of the PE row's operand stage (``array.PeRow``: two
+cycles after the core issues the word); the op's fields travel down a stage pipeline (``st``), and every op
 touches each resource in fixed stages (``OP_TIMING``)::
 
     stage   E0     E1      E2        E3     E4     E5     E6..E9         E10   E11..E16

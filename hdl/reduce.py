@@ -112,6 +112,9 @@ class RowReduce(wiring.Component):
     res : Out(32)                        result, valid in cycle x + LATENCY
     res_valid : Out(1)
     res_tag : Out(tag_width)
+    res_valid_next, res_tag_next : Out(1), Out(tag_width)
+        ``res_valid`` and ``res_tag`` of the next cycle (for consumers one
+        register stage ahead of the tree)
 
     Attributes
     ----------
@@ -127,6 +130,7 @@ class RowReduce(wiring.Component):
         super().__init__({
             "leaves": In(data.ArrayLayout(32, cols)), "op": In(TreeOp), "tag": In(tag_width),
             "res": Out(32), "res_valid": Out(1), "res_tag": Out(tag_width),
+            "res_valid_next": Out(1), "res_tag_next": Out(tag_width),
         })
 
     def elaborate(self, platform):
@@ -154,11 +158,13 @@ class RowReduce(wiring.Component):
             # The sum/max selection, valid and tag travel with the data, one
             # register per cycle, so reductions of different rows can overlap.
             for i in range(NODE_LATENCY + 1):
+                valid_next, tag_next = valid, tag
                 s_n = Signal(name=f"sum{lv + 1}_{i}")
                 v_n = Signal(name=f"valid{lv + 1}_{i}")
                 t_n = Signal.like(self.tag, name=f"tag{lv + 1}_{i}")
                 m.d.sync += [s_n.eq(is_sum), v_n.eq(valid), t_n.eq(tag)]
                 is_sum, valid, tag = s_n, v_n, t_n
             level = nxt
-        m.d.comb += [self.res.eq(level[0]), self.res_valid.eq(valid), self.res_tag.eq(tag)]
+        m.d.comb += [self.res.eq(level[0]), self.res_valid.eq(valid), self.res_tag.eq(tag),
+                     self.res_valid_next.eq(valid_next), self.res_tag_next.eq(tag_next)]
         return m

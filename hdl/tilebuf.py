@@ -82,7 +82,9 @@ class TileBuffers(wiring.Component):
     half : In(1)
         K/V half the reads use (kv tile parity).
     q_row : In(range(wr))
-        Row within every PE row's Q and mask buffers (the step's ``a``).
+        Row within every PE row's Q buffer (the Q.K^T step's ``a``).
+    m_row : In(range(wr))
+        Row within every PE row's mask buffer (the SCALE word's ``a``).
     k_row : In(range(wc))
         Row within every PE column's K half (the step's ``b``).
     v_row : In(range(max(max_head_dim, Bc) + 1))
@@ -99,7 +101,7 @@ class TileBuffers(wiring.Component):
         super().__init__({
             "wr": In(stream.Signature(write_layout(config))),
             "release": In(len(BufSel)), "full": Out(len(BufSel)),
-            "half": In(1), "q_row": In(range(config.rows_per_pe)),
+            "half": In(1), "q_row": In(range(config.rows_per_pe)), "m_row": In(range(config.rows_per_pe)),
             "k_row": In(range(config.cols_per_pe)),
             "v_row": In(range(max(config.max_head_dim, Bc) + 1)),
             # one port per row / column: a single R x 16 x max_head_dim-bit port
@@ -139,7 +141,7 @@ class TileBuffers(wiring.Component):
             m.d.comb += [wp.addr.eq(w.row - wr * r), wp.data.eq(wdata[0:Bc]),
                          wp.en.eq(wvalid & hit & (w.sel == BufSel.MASK))]
             rp = mm.read_port(domain="sync")
-            m.d.comb += [rp.addr.eq(self.q_row), self.m_data[r].eq(rp.data)]
+            m.d.comb += [rp.addr.eq(self.m_row), self.m_data[r].eq(rp.data)]
         for c in range(C):
             mem = Memory(shape=lanes, depth=2 * wc, init=[])
             m.submodules[f"kbuf{c}"] = mem
