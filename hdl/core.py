@@ -837,14 +837,13 @@ class Core(wiring.Component):
         word, pc = s.word, s.pc
         pc_next = pc + 1
         stall = s.rom_stall if waits else Const(0)
+        m.d.comb += s.pc_set.eq(pc_next)
         if waits:
-            m.d.comb += [s.pc_set.eq(pc_next), s.rom_hold.eq(s.rom_stall)]
+            m.d.comb += s.rom_hold.eq(s.rom_stall)
         with m.If(~stall):
             m.d.comb += [s.iss.eq(word.ctl), s.iss_a.eq(word.a), s.iss_b.eq(word.b)]
             with m.If((word.ctl.tree != TreeOp.NONE) | word.ctl.rcp):
                 m.d.comb += s.clear.eq(_onehot(word.ctl.tag, 3 * self.regs.wr))
-            if not waits:
-                m.d.comb += s.pc_set.eq(pc_next)
             with m.If(word.last):
                 on_last()
             with m.Elif(word.pause & s.cmd.pause[PausePoint.S]):
@@ -985,13 +984,22 @@ class Core(wiring.Component):
         wr, odm = g.wr, g.od
         od, o_r, o_a, o_n, primed, phase = s.o_od, s.o_r, s.o_a, s.o_n, s.primed, s.phase
         fire = self.o.valid & self.o.ready
+
+        def step(a, n):
+            """(a, n) of the beat after beat (a, n) within a PE row."""
+            end = n == od - 1
+            return Mux(end, Mux(a == wr - 1, 0, a + 1), a), Mux(end, 0, n + 1)
+
+        def addr(a, n):
+            return g.o_base + a * odm + n
+
         nx_n = Signal.like(o_n)
         nx_a = Signal.like(o_a)
         nx_r = Signal.like(o_r)
         last_beat = (o_n == od - 1) & (o_r * wr + o_a == s.o_last)
+        nx_a_v, nx_n_v = step(o_a, o_n)
         m.d.comb += [
-            nx_n.eq(Mux(o_n == od - 1, 0, o_n + 1)),
-            nx_a.eq(Mux(o_n == od - 1, Mux(o_a == wr - 1, 0, o_a + 1), o_a)),
+            nx_a.eq(nx_a_v), nx_n.eq(nx_n_v),
             nx_r.eq(Mux((o_n == od - 1) & (o_a == wr - 1), o_r + 1, o_r)),
         ]
         use_r = Mux(fire, nx_r, o_r)
@@ -1000,10 +1008,9 @@ class Core(wiring.Component):
         # ``fire`` mux lies between them and the PEs' read port
         sa_cur = Signal(range(self.config.pe_registers), name="o_sa")
         sa_nxt = Signal.like(sa_cur, name="o_sa_next")
-        nx2_n = Mux(nx_n == od - 1, 0, nx_n + 1)
-        nx2_a = Mux(nx_n == od - 1, Mux(nx_a == wr - 1, 0, nx_a + 1), nx_a)
-        m.d.sync += [sa_cur.eq(g.o_base + Mux(fire, nx_a, o_a) * odm + Mux(fire, nx_n, o_n)),
-                     sa_nxt.eq(g.o_base + Mux(fire, nx2_a, nx_a) * odm + Mux(fire, nx2_n, nx_n))]
+        nx2_a, nx2_n = step(nx_a, nx_n)
+        m.d.sync += [sa_cur.eq(addr(Mux(fire, nx_a, o_a), Mux(fire, nx_n, o_n))),
+                     sa_nxt.eq(addr(Mux(fire, nx2_a, nx_a), Mux(fire, nx2_n, nx_n)))]
         in_out = s.out_on
         m.d.comb += [
             self.o.valid.eq(in_out & primed),
