@@ -184,6 +184,10 @@ class PausePoint(enum.IntEnum):
     TILE = 2      # after P.V: P, m_i, l_i, alpha, O_acc of the tile
 
 
+#: Cycles by which ``Inject.LATE_RET`` delays the scoreboard's return arrivals.
+RET_DELAY = 2
+
+
 class Inject(enum.IntEnum):
     """Bits of the core's ``inject`` port (test-only faults for the register
     check; cycle counts stay those of a normal run until the check fires)."""
@@ -191,6 +195,9 @@ class Inject(enum.IntEnum):
     DROP_S_WRITE = 1   # kv tile 1's first S step (k = a = b = 0) issues as a NOP: S(0, 0) unwritten
     NO_GAP = 2         # the S loop issues no bubbles between k rounds: with fewer than
                        # MAC_RECURRENCE accumulators a MAC reads a pending write
+    LATE_RET = 3       # the return-register scoreboard sees each tree and reciprocal result
+                       # RET_DELAY cycles late: the words that wait for one stall (``rom_hold``)
+                       # and the job stays bit-exact, only longer (no check fires)
 
 
 #: Register-file use of each opcode: (reads ra, reads rb, writes wa).  MAC is
@@ -502,8 +509,7 @@ class Core(wiring.Component):
         full = bufs.full
         m.d.comb += [self.full.eq(full), bufs.release.eq(release)]
 
-        pc, pc_set, word, base, rom_hold = self._rom(m, od)
-        s = self._sequencer(m, arr, cmd, od, full, release, pc, pc_set, word, base, rom_hold)
+        s = self._sequencer(m, arr, cmd, od, full, release, self._rom(m, od))
         in_out = self._readout(m, s, arr)
         ctl_d = self._operands(m, s, arr, bufs)
         # the word in the PEs' stage E0: the PE rows register the control
@@ -518,21 +524,33 @@ class Core(wiring.Component):
     # ------------------------------------------------------------ ROM programs
     def _rom(self, m, od):
         """The INIT, softmax and FINAL micro-programs (a variant per O-column
-        count) in one ROM.  Returns ``(pc, pc_set, word, base)``: the
-        program counter (a register), the next value it takes (``pc_set``,
-        combinational, ``pc`` unless the sequencer drives it), the word at
-        ``pc`` and each program's first address for the command's ``od``
-        (``base(name, od)``, a value).
+        count) in one ROM.  Returns a namespace: ``pc`` (the program
+        counter, a register), ``pc_set`` (the next value it takes,
+        combinational, ``pc`` unless the sequencer drives it), ``word`` (a
+        register holding the word at ``pc``), ``base(name, od)`` and
+        ``first(name, od)`` (each program's first address and first word
+        for the command's ``od``, values), ``hold`` (a waiting word holds
+        ``pc`` and ``word``), ``step`` (``pc_set`` is pc + 1) and
+        ``jump``/``jump_word`` (``pc_set`` is a program's first address and
+        this its word), ``load`` (PAUSED: read the word at ``pc_set``).
 
-        The ROM is read synchronously at ``pc_set``, so ``word`` is a
-        register that holds the word at ``pc`` in the same cycle as ``pc``
-        itself: no ROM lookup lies between the program counter and the
-        issue logic (on the 2 x 2 core on the ECP5 that lookup was part of
-        the critical path, ``results/fpga.md``).  A word that waits for a
-        return value holds both (``rom_hold``: the ROM's read enable and
-        the pc register's), so the wait does not lie on the path to the
-        ROM's address either: ``_run_rom`` sets ``pc_set`` whether or not
-        the word issues.  Returns ``rom_hold`` as a fifth value."""
+        The ROM's output feeds only ``word``, never the issue logic: the
+        ROM is read one word ahead, at pc_set + 1, so its output holds the
+        word after ``pc`` and a step takes it into ``word``; a jump takes
+        the program's first word from a table of constants (one word per
+        program variant) and reads the second.  ``word`` therefore holds
+        the word at ``pc`` in the same cycle as ``pc`` itself, as a read at
+        pc_set would, and no cycle changes; but the EBR's clock-to-output
+        time (about 5.6 ns on the ECP5) now ends at a flop instead of
+        leading into the issue and visibility logic (on the 2 x 2 core it
+        was on the critical path, ``results/fpga.md``).  A resume goes to
+        an arbitrary address: PAUSED reads the ROM at ``resume_pc`` itself
+        (``load``), and ``paused`` waits until that word is in (two cycles,
+        ``rom_primed``).  A word that waits for a return value holds the ROM
+        and the pc (``hold``), so the wait lies on the path to neither
+        the ROM's address nor ``word``: ``_run_rom`` sets ``pc_set``
+        whether or not the word issues."""
+        layout = rom_layout(self.config)
         progs = self.programs
         starts = {}
         words = []
@@ -541,24 +559,33 @@ class Core(wiring.Component):
             for k in sorted(progs[name]):
                 starts[name].append(len(words))
                 words += progs[name][k]
-        m.submodules.rom = rom_mem = Memory(shape=rom_layout(self.config), depth=len(words), init=words)
+        # one NOP word past the end: the read ahead of the last word
+        m.submodules.rom = rom_mem = Memory(shape=layout, depth=len(words) + 1, init=words)
         rom = rom_mem.read_port(domain="sync")
         pc = Signal(range(len(words)))
-        pc_set = Signal.like(pc)
-        rom_hold = Signal()
-        m.d.comb += [pc_set.eq(pc), rom.addr.eq(pc_set), rom.en.eq(~rom_hold)]
-        m.d.sync += pc.eq(Mux(rom_hold, pc, pc_set))
-        word = rom.data
+        r = SimpleNamespace(pc=pc, pc_set=Signal.like(pc), hold=Signal(), step=Signal(), jump=Signal(),
+                            load=Signal(), jump_word=Signal(layout), word=Signal(layout, init=words[0]))
+        m.d.comb += [r.pc_set.eq(pc), rom.addr.eq(Mux(r.load, r.pc_set, r.pc_set + 1)), rom.en.eq(~r.hold)]
+        with m.If(~r.hold):
+            m.d.sync += pc.eq(r.pc_set)
+            with m.If(r.step | r.load):
+                m.d.sync += r.word.eq(rom.data)
+            with m.Elif(r.jump):
+                m.d.sync += r.word.eq(r.jump_word)
         # INIT reads no return register, so it runs without the wait logic
         # (``_run_rom(waits=False)``)
         assert not any(w["wait"] for k in progs["init"] for w in progs["init"][k])
 
         def base(name, od_value=od):
             return Array([Const(x, pc.shape()) for x in starts[name]])[od_value - 1]
-        return pc, pc_set, word, base, rom_hold
+
+        def first(name, od_value=od):
+            return Array([Const.cast(layout.const(words[x])) for x in starts[name]])[od_value - 1]
+        r.base, r.first = base, first
+        return r
 
     # --------------------------------------------------------------- sequencer
-    def _sequencer(self, m, arr, cmd, od, full, release, pc, pc_set, word, base, rom_hold):
+    def _sequencer(self, m, arr, cmd, od, full, release, rom):
         """The tile sequencer: its registers, the status ports, the
         return-register scoreboard and the phase FSM (``_phase_fsm``).
 
@@ -575,7 +602,8 @@ class Core(wiring.Component):
         wr, wc, odm, mhd = g.wr, g.wc, g.od, cfg.max_head_dim
         phase = Signal(Phase)
         resume_to = Signal(Phase)
-        resume_pc = Signal.like(pc)
+        word = rom.word
+        resume_pc = Signal.like(rom.pc)
         pause_at = Signal(PausePoint)
         tile = Signal(LEN_BITS)                # kv tile, 0..n_kv
         # visibility terms of the kv tile (see ``_operands``)
@@ -618,6 +646,8 @@ class Core(wiring.Component):
         # may land in the accept cycle (the register check keeps it).
         s_ready = Signal()
         s_quiet = Signal()
+        rom_primed = Signal(range(3))             # cycles in PAUSED, up to 2: the ROM's word is in
+        m.d.sync += rom_primed.eq(Mux(phase == Phase.PAUSED, Mux(rom_primed == 2, 2, rom_primed + 1), 0))
         left = Signal(range(PIPE_DEPTH + 1))      # cycles of activity left after this one
         ctl_op_row = Signal(PeOp)                 # op of the word in the rows' operand stage
         op_left = Signal.like(left)
@@ -629,7 +659,7 @@ class Core(wiring.Component):
         m.d.sync += ready_d.eq(s_ready)
         m.d.comb += s_quiet.eq(s_ready & ready_d)
         m.d.comb += [self.phase.eq(phase), self.pause_at.eq(pause_at), self.tile.eq(tile),
-                     self.paused.eq((phase == Phase.PAUSED) & s_quiet),
+                     self.paused.eq((phase == Phase.PAUSED) & s_quiet & (rom_primed == 2)),
                      self.busy.eq(phase != Phase.IDLE)]
         m.d.sync += self.done.eq(0)
         half = tile[0]
@@ -697,15 +727,21 @@ class Core(wiring.Component):
         m.d.comb += arrive.eq(Mux(arr.ev_tree, _onehot(arr.ev_tree_tag, 3 * wr), 0)
                               | Mux(arr.ev_rcp, _onehot(arr.ev_rcp_tag, 3 * wr), 0))
         clear = Signal(3 * wr)
+        arrive_late = Signal.like(arrive)         # Inject.LATE_RET: the arrivals RET_DELAY cycles later
+        late = [arrive]
+        for i in range(RET_DELAY):
+            late.append(Signal.like(arrive, name=f"arrive_d{i + 1}"))
+            m.d.sync += late[-1].eq(late[-2])
+        m.d.comb += arrive_late.eq(Mux(self.inject[Inject.LATE_RET], late[-1], arrive))
+        arrive = arrive_late
         m.d.sync += ready.eq((ready | arrive) & ~clear)
         ready_now = ready | arrive
         rom_stall = word.wait & ~ready_now.bit_select(word.ctl.ret_sel, 1)
 
         s = SimpleNamespace(
-            cmd=cmd, od=od, full=full, release=release_o, release_s=release_s, pc=pc, pc_set=pc_set,
-            rom_hold=rom_hold,
-            word=word,
-            base=base, phase=phase, resume_to=resume_to, resume_pc=resume_pc, pause_at=pause_at,
+            cmd=cmd, od=od, full=full, release=release_o, release_s=release_s, rom=rom, pc=rom.pc,
+            pc_set=rom.pc_set, rom_hold=rom.hold, word=word, base=rom.base, first=rom.first, phase=phase,
+            resume_to=resume_to, resume_pc=resume_pc, pause_at=pause_at,
             tile=tile, vis_d=vis_d, vis_e=vis_e, vis_f=vis_f, vis_dn=vis_dn, vis_en=vis_en,
             k=k, kc=kc, kb=kb, a=a, n=n, sk=sk, sa=sa, sb=sb, gap_sl=gap_sl, ov=ov,
             ahead_done=ahead_done, ins=ins, s_par=s_par, s_first=s_first,
@@ -731,16 +767,24 @@ class Core(wiring.Component):
         m.d.comb += s.enter_s.eq(1)
         m.d.sync += s.phase.eq(Phase.S)
 
-    def _sm_base(self, s, par):
-        """First ROM word of the softmax program on S block ``par``."""
+    def _sm_base(self, s, par, of=None):
+        """First ROM address (``of=s.first``: first word) of the softmax
+        program on S block ``par``."""
+        of = of or s.base
         if not self.config.overlaps_softmax:
-            return s.base("sm")
-        return Mux(par, s.base("sm1"), s.base("sm"))
+            return of("sm")
+        return Mux(par, of("sm1"), of("sm"))
+
+    @staticmethod
+    def _goto(m, s, addr, word):
+        """Jump: the next word is ``word``, the one at ROM address ``addr``
+        (a program's first word, from ``s.first``)."""
+        m.d.comb += [s.pc_set.eq(addr), s.rom.jump_word.eq(word), s.rom.jump.eq(1), s.rom.step.eq(0)]
 
     def _enter_sm(self, m, s, par):
         """Go to the softmax of the tile whose S block is ``par`` (WAIT_M
         first when its mask is not in)."""
-        m.d.comb += s.pc_set.eq(self._sm_base(s, par))
+        self._goto(m, s, self._sm_base(s, par), self._sm_base(s, par, s.first))
         with m.If(s.m_ok):
             m.d.comb += s.enter_sm.eq(1)
             m.d.sync += s.phase.eq(Phase.SM)
@@ -791,7 +835,7 @@ class Core(wiring.Component):
                                      s.pause_at.eq(PausePoint.S_RAW), s.resume_pc.eq(s.base("sm"))]
                     with m.Elif(s.init_after_s):
                         m.d.sync += s.phase.eq(Phase.INIT)
-                        m.d.comb += s.pc_set.eq(s.base("init"))
+                        self._goto(m, s, s.base("init"), s.first("init"))
                     with m.Else():
                         self._enter_sm(m, s, par)
 
@@ -808,11 +852,13 @@ class Core(wiring.Component):
         s_mid = (s.sk != 0) | (s.sa != 0) | (s.sb != 0)
         nxt = Signal(Phase, name="after_tile")
         nxt_pc = Signal.like(s.pc, name="after_tile_pc")
-        m.d.comb += nxt_pc.eq(s.base("final"))
+        nxt_word = Signal.like(s.word, name="after_tile_word")
+        m.d.comb += [nxt_pc.eq(s.base("final")), nxt_word.eq(s.first("final"))]
         with m.If(last_tile):
             m.d.comb += nxt.eq(Phase.FINAL)
         with m.Elif(s.ahead_done):
-            m.d.comb += [nxt.eq(Phase.WAIT_M), nxt_pc.eq(self._sm_base(s, s.par_n))]
+            m.d.comb += [nxt.eq(Phase.WAIT_M), nxt_pc.eq(self._sm_base(s, s.par_n)),
+                         nxt_word.eq(self._sm_base(s, s.par_n, s.first))]
         with m.Elif(s_mid):
             m.d.comb += nxt.eq(Phase.S)
         with m.Else():
@@ -826,7 +872,7 @@ class Core(wiring.Component):
             self._start_s(m, s)                # back-to-back tiles: no bubble
         with m.Else():
             m.d.sync += phase.eq(nxt)
-            m.d.comb += s.pc_set.eq(nxt_pc)
+            self._goto(m, s, nxt_pc, nxt_word)
 
     def _run_rom(self, m, s, on_last, waits: bool = True):
         """Issue the ROM word at ``pc`` unless it waits for a return value
@@ -837,7 +883,7 @@ class Core(wiring.Component):
         word, pc = s.word, s.pc
         pc_next = pc + 1
         stall = s.rom_stall if waits else Const(0)
-        m.d.comb += s.pc_set.eq(pc_next)
+        m.d.comb += [s.pc_set.eq(pc_next), s.rom.step.eq(1)]
         if waits:
             m.d.comb += s.rom_hold.eq(s.rom_stall)
         with m.If(~stall):
@@ -881,7 +927,7 @@ class Core(wiring.Component):
                 m.d.sync += phase.eq(Phase.WAIT_K)
             else:
                 m.d.sync += phase.eq(Phase.INIT)
-                m.d.comb += s.pc_set.eq(base("init", od_new))
+                self._goto(m, s, base("init", od_new), s.first("init", od_new))
 
         with m.Switch(phase):
             with m.Case(Phase.IDLE):
@@ -971,9 +1017,11 @@ class Core(wiring.Component):
                     m.d.sync += self.err.eq(0)
                     accept(early=True)
             with m.Case(Phase.PAUSED):
+                # read the word at resume_pc (``_rom``: ``paused`` waits for it)
+                m.d.comb += [s.pc_set.eq(s.resume_pc), s.rom.load.eq(1)]
                 with m.If(self.resume & self.paused):
                     m.d.sync += phase.eq(s.resume_to)
-                    m.d.comb += s.pc_set.eq(s.resume_pc)
+                    m.d.comb += s.rom.load.eq(0)
 
     # --------------------------------------------------------------- O read-out
     def _readout(self, m, s, arr):

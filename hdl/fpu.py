@@ -202,17 +202,21 @@ def round_nearest_even(m: Module, mant, guard, sticky, name: str):
     -------
     (Signal, Signal)
         The rounded significand (w bits, wrapped) and the carry out of the
-        increment (the rounded value was 2^w).
+        increment (the rounded value was 2^w).  The carry is decided as
+        ``round_up & (mant == all ones)``, not taken from the incrementer's
+        carry chain, so a caller's exponent select does not wait for it.
     """
     width = len(mant)
     round_up = Signal(name=f"{name}_round_up")
-    rounded = Signal(width + 1, name=f"{name}_rounded")
+    rounded = Signal(width, name=f"{name}_rounded")
+    carry = Signal(name=f"{name}_carry")
     m.d.comb += [
         # Above the halfway point, or exactly halfway with an odd lsb.
         round_up.eq(guard & (sticky | mant[0])),
         rounded.eq(mant + round_up),
+        carry.eq(round_up & mant.all()),
     ]
-    return rounded[:width], rounded[width]
+    return rounded, carry
 
 
 class _Stages:
@@ -421,7 +425,9 @@ class Fp32AddSub(_Pipelined):
         mant_r, carry = round_nearest_even(
             m, p.normed[4:28], p.normed[3], p.normed[0:3] != 0, "add")
         exp_post = Signal(signed(10))
-        m.d.comb += exp_post.eq(p.exp_pre + carry)
+        overflow = Signal()
+        m.d.comb += [exp_post.eq(Mux(carry, p.exp_pre + 1, p.exp_pre)),
+                     overflow.eq(Mux(carry, p.exp_pre + 1 >= _EXP_MAX, p.exp_pre >= _EXP_MAX))]
 
         # --- result selection, special cases first
         with m.If(p.special):
@@ -431,7 +437,7 @@ class Fp32AddSub(_Pipelined):
         with m.Elif(p.exp_pre <= 0):
             # FTZ: the exact (unrounded) sum is below 2^-126.
             m.d.comb += self.o.eq(Cat(Const(0, 31), p.big_sign))
-        with m.Elif(exp_post >= _EXP_MAX):
+        with m.Elif(overflow):
             # Overflow under RNE goes to Inf.
             m.d.comb += self.o.eq(Cat(Const(0, 23), Const(_EXP_MAX, 8), p.big_sign))
         with m.Else():
@@ -476,7 +482,7 @@ class Fp32Mul(_Pipelined):
     b: In(32)
     o: Out(32)
 
-    #: register boundaries: after the two 24 x 12 partial products, after
+    #: register boundaries: after the four 12 x 12 partial products, after
     #: the full product
     BOUNDARIES = ("partial", "product")
     PLANS = {0: (), 1: ("product",), 2: ("partial", "product")}
@@ -491,11 +497,15 @@ class Fp32Mul(_Pipelined):
         m.d.comb += special.eq(Mux(
             ua.is_nan | ub.is_nan | (ua.is_inf & ub.is_zero) | (ua.is_zero & ub.is_inf), 1,
             Mux(ua.is_inf | ub.is_inf, 2, Mux(ua.is_zero | ub.is_zero, 3, 0))))
+        # four 12 x 12 partial products: each is one MULT18X18D on the ECP5
+        # with nothing after it in its stage (a 24 x 12 product needs two and
+        # an adder behind them, which was the core's critical path)
+        al, ah, bl, bh = ua.mant[0:12], ua.mant[12:24], ub.mant[0:12], ub.mant[12:24]
         p = st.cut(m, "partial", special=special, sign=ua.sign ^ ub.sign,
                    exp_sum=ua.exp + ub.exp,
-                   lo=ua.mant * ub.mant[0:12], hi=ua.mant * ub.mant[12:24])
+                   ll=al * bl, lh=al * bh, hl=ah * bl, hh=ah * bh)
         p = st.cut(m, "product", special=p.special, sign=p.sign, exp_sum=p.exp_sum,
-                   product=p.lo + (p.hi << 12))
+                   product=p.ll + ((p.lh + p.hl) << 12) + (p.hh << 24))
         sign = p.sign
         product = Signal(48)                   # exact significand product in [2^46, 2^48)
         top = Signal()                         # product >= 2^47: one more exponent
@@ -514,7 +524,9 @@ class Fp32Mul(_Pipelined):
         ]
         mant_r, carry = round_nearest_even(m, kept, guard, sticky, "mul")
         exp_post = Signal(signed(11))
-        m.d.comb += exp_post.eq(exp_pre + carry)
+        overflow = Signal()
+        m.d.comb += [exp_post.eq(Mux(carry, exp_pre + 1, exp_pre)),
+                     overflow.eq(Mux(carry, exp_pre + 1 >= _EXP_MAX, exp_pre >= _EXP_MAX))]
 
         with m.If(p.special == 1):
             m.d.comb += self.o.eq(NAN32)
@@ -523,7 +535,7 @@ class Fp32Mul(_Pipelined):
         with m.Elif((p.special == 3) | (exp_pre <= 0)):
             # Zero operand (incl. DAZ) or an exact product below 2^-126 (FTZ).
             m.d.comb += self.o.eq(Cat(Const(0, 31), sign))
-        with m.Elif(exp_post >= _EXP_MAX):
+        with m.Elif(overflow):
             m.d.comb += self.o.eq(Cat(Const(0, 23), Const(_EXP_MAX, 8), sign))
         with m.Else():
             m.d.comb += self.o.eq(Cat(mant_r[0:23], exp_post[0:8], sign))
