@@ -82,14 +82,14 @@ the smallest latency within the design's 40-level budget:
 unit          boundaries (registered at   levels at   levels at the design
               the design latency)         latency 0   latency
 ============  ==========================  ==========  =====================
-Fp16Mac       mult, product, swap, add,   145         30 (latency 5)
+Fp16Mac       mult, product, swap, add,   141         30 (latency 5)
               norm
-Fp32AddSub    swap, add, norm             97          30 (latency 3)
-Fp32Mul       partial, product            74          35 (latency 2)
+Fp32AddSub    swap, add, norm             93          30 (latency 3)
+Fp32Mul       partial, product            75          33 (latency 2)
 Exp2          lookup, interp              70          34 (latency 2)
-Fp32ToFp16    shift                       45          25 (latency 1)
+Fp32ToFp16    shift                       47          25 (latency 1)
 Fp32Max       --                          17          17 (combinational)
-Recip         -- (one quotient bit per    17          17
+Recip         -- (one quotient bit per    16          16
               cycle)
 ============  ==========================  ==========  =====================
 
