@@ -97,7 +97,8 @@ issue stage, and the programs and loops are cycle for cycle what they were
 with one operand register.
 The programs come in one variant per O-column count od (1..od_max), each
 scheduled for the PE pipeline, so a program never skips words at run time.
-A pause takes effect (``paused``) once the PEs' pipelines have drained.
+A pause takes effect (``paused``) once the PEs' pipelines have drained and
+the ROM has read the word to resume at (two cycles, ``Core._rom``).
 
 Command / status protocol (``CoreCmd``): the core waits for the Q buffer
 and, per kv tile j, for K/V half j % 2 (and the mask buffer when
@@ -189,8 +190,9 @@ RET_DELAY = 2
 
 
 class Inject(enum.IntEnum):
-    """Bits of the core's ``inject`` port (test-only faults for the register
-    check; cycle counts stay those of a normal run until the check fires)."""
+    """Bits of the core's ``inject`` port (test-only faults: the first three
+    for the register check, where cycle counts stay those of a normal run
+    until the check fires; ``LATE_RET`` for the ROM hold)."""
     SKIP_INIT = 0      # the INIT program's words issue as NOPs: m_i, l_i, O_acc unwritten
     DROP_S_WRITE = 1   # kv tile 1's first S step (k = a = b = 0) issues as a NOP: S(0, 0) unwritten
     NO_GAP = 2         # the S loop issues no bubbles between k rounds: with fewer than
