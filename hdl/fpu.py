@@ -219,6 +219,19 @@ def round_nearest_even(m: Module, mant, guard, sticky, name: str):
     return rounded, carry
 
 
+
+def rounded_exponent(m: Module, exp_pre, carry, name: str):
+    """The exponent after rounding and its overflow flag (>= 255, Inf
+    under RNE), both selected by the rounding ``carry`` of
+    ``round_nearest_even`` between values computed from ``exp_pre`` alone,
+    so neither waits for the carry.  ``exp_pre``: signed, wide enough for
+    exp_pre + 1.  Returns ``(exp_post, overflow)``."""
+    exp_post = Signal(exp_pre.shape(), name=f"{name}_exp_post")
+    overflow = Signal(name=f"{name}_overflow")
+    m.d.comb += [exp_post.eq(Mux(carry, exp_pre + 1, exp_pre)),
+                 overflow.eq(Mux(carry, exp_pre + 1 >= _EXP_MAX, exp_pre >= _EXP_MAX))]
+    return exp_post, overflow
+
 class _Stages:
     """The pipeline registers of one unit.
 
@@ -424,10 +437,7 @@ class Fp32AddSub(_Pipelined):
         # --- rounding: 24 kept bits, guard below them, sticky = the rest
         mant_r, carry = round_nearest_even(
             m, p.normed[4:28], p.normed[3], p.normed[0:3] != 0, "add")
-        exp_post = Signal(signed(10))
-        overflow = Signal()
-        m.d.comb += [exp_post.eq(Mux(carry, p.exp_pre + 1, p.exp_pre)),
-                     overflow.eq(Mux(carry, p.exp_pre + 1 >= _EXP_MAX, p.exp_pre >= _EXP_MAX))]
+        exp_post, overflow = rounded_exponent(m, p.exp_pre, carry, "add")
 
         # --- result selection, special cases first
         with m.If(p.special):
@@ -523,10 +533,7 @@ class Fp32Mul(_Pipelined):
             sticky.eq(Mux(top, product[0:23] != 0, product[0:22] != 0)),
         ]
         mant_r, carry = round_nearest_even(m, kept, guard, sticky, "mul")
-        exp_post = Signal(signed(11))
-        overflow = Signal()
-        m.d.comb += [exp_post.eq(Mux(carry, exp_pre + 1, exp_pre)),
-                     overflow.eq(Mux(carry, exp_pre + 1 >= _EXP_MAX, exp_pre >= _EXP_MAX))]
+        exp_post, overflow = rounded_exponent(m, exp_pre, carry, "mul")
 
         with m.If(p.special == 1):
             m.d.comb += self.o.eq(NAN32)
