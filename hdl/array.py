@@ -38,7 +38,7 @@ writes.  Measured: cycle-neutral on every core job of
         │        ┌─┴───────────┴─┐
         │        │ RowReduce tree │ (log2 C registered levels)
         │        └───────┬────────┘
-        │       ret regs [3 wr] ◄─ Recip (operand: T of PE(r, 0))
+        │       ret regs [3 wr] ◄─ Recip x wr (operand: T of PE(r, 0))
         └────────── ret[ret_sel] broadcast to the row's PEs
 
 Pipeline registers between PEs and why they exist:
@@ -116,6 +116,13 @@ def module_texts(config: NPUConfig) -> str:
                              (Recip(), RECIP_MODULE, "no_inline_module")):
         texts.append(_with_meta(verilog.convert(comp, name=name, emit_src=False), name, meta))
     return "\n".join(texts)
+
+
+def _or(values):
+    out = values[0]
+    for v in values[1:]:
+        out = out | v
+    return out
 
 
 #: module-name suffix of the flat copies that ``flat_row`` adds
@@ -226,27 +233,33 @@ class PeRow(wiring.Component):
         m.d.comb += [tree.op.eq(ctl.tree), tree.tag.eq(ctl.tag)]
         with m.If(tree.res_valid):
             m.d.sync += ret[tree.res_tag].eq(tree.res)
-        # --- reciprocal: operand is T of PE (r, 0)
-        rcp_tag = Signal(tagw)
-        rdone, rnext, ro = Signal(), Signal(), Signal(32)
-        if self.pe_as_instance:
-            m.submodules.rcp = Instance(
-                RECIP_MODULE, i_clk=ClockSignal(), i_rst=ResetSignal(), i_start=ctl.rcp,
-                i_x=pes[0].t, o_busy=Signal(name="rcp_busy"), o_done=rdone, o_done_next=rnext,
-                o_o=ro)
-        else:
-            m.submodules.rcp = rc = Recip()
-            m.d.comb += [rc.start.eq(ctl.rcp), rc.x.eq(pes[0].t), rdone.eq(rc.done),
-                         rnext.eq(rc.done_next), ro.eq(rc.o)]
-        with m.If(ctl.rcp):
-            m.d.sync += rcp_tag.eq(ctl.tag)
-        with m.If(rdone):
-            m.d.sync += ret[rcp_tag].eq(ro)
+        # --- reciprocals: one divider per query row a (return tag
+        # tag_rcp(a)), each started by its own tag; operand T of PE (r, 0)
+        g = RegMap(cfg)
+        rnexts, rtags = [], []
+        for a in range(wr):
+            tag = g.tag_rcp(a)
+            start = ctl.rcp & (ctl.tag == tag)
+            rdone, rnext, ro = Signal(name=f"rcp{a}_done"), Signal(name=f"rcp{a}_next"), Signal(32, name=f"rcp{a}_o")
+            if self.pe_as_instance:
+                m.submodules[f"rcp{a}"] = Instance(
+                    RECIP_MODULE, i_clk=ClockSignal(), i_rst=ResetSignal(), i_start=start,
+                    i_x=pes[0].t, o_busy=Signal(name=f"rcp{a}_busy"), o_done=rdone, o_done_next=rnext,
+                    o_o=ro)
+            else:
+                m.submodules[f"rcp{a}"] = rc = Recip()
+                m.d.comb += [rc.start.eq(start), rc.x.eq(pes[0].t), rdone.eq(rc.done),
+                             rnext.eq(rc.done_next), ro.eq(rc.o)]
+            with m.If(rdone):
+                m.d.sync += ret[tag].eq(ro)
+            rnexts.append(rnext)
+            rtags.append(Mux(rnext, tag, 0))
         # the events are reported one cycle ahead of the result, so that they
         # keep their timing against the core's issue stage across the
-        # operand stage
+        # operand stage (two dividers never finish in the same cycle: their
+        # starts are in different slots and they take the same time)
         m.d.comb += [self.ev_tree.eq(tree.res_valid_next), self.ev_tree_tag.eq(tree.res_tag_next),
-                     self.ev_rcp.eq(rnext), self.ev_rcp_tag.eq(rcp_tag)]
+                     self.ev_rcp.eq(Cat(rnexts).any()), self.ev_rcp_tag.eq(_or(rtags))]
         # the op's returned value, registered twice: it reaches the PEs in
         # stage E2 (``pe.RET_STAGE``), from a flop, over the row-long wire
         ret_sel1 = Signal.like(ctl.ret_sel)

@@ -33,6 +33,14 @@ ahead completely goes straight to its softmax.  At 32 x 32, head_dim 128,
 The S and S_RAW pause points (which stop between Q.K^T and the softmax)
 turn the overlap off for their command.
 
+Reciprocals ahead: l_i is final once the q tile's last softmax ends, so
+that softmax (its ``last`` variant, 90 instead of 88 cycles at 32 x 32)
+loads each row's l_i into T and starts the row's divider (one per query
+row, ``array.PeRow``); the divisions (27 cycles) run during the last P.V
+and FINAL only scales O_acc (16 cycles instead of 70)::
+
+   issue slots  | SM_last + 1/l starts | PV_last (1/l arrives) | FINAL | OUT
+
 Read-out overlap (early accept): the O read-out runs on its own once FINAL
 ends (``out_on``), and in its first cycle the core takes the next q tile's
 command if one is waiting without pause bits.  That tile's first Q.K^T
@@ -296,8 +304,8 @@ def rom_layout(config: NPUConfig) -> data.StructLayout:
     })
 
 
-def _schedule(config: NPUConfig, items) -> list:
-    return schedule(items, tree_latency(config.array_cols), Recip.LATENCY)
+def _schedule(config: NPUConfig, items, ready=()) -> list:
+    return schedule(items, tree_latency(config.array_cols), Recip.LATENCY, ready)
 
 
 def _od(config: NPUConfig, od):
@@ -319,9 +327,10 @@ def init_program(config: NPUConfig, od: int | None = None) -> list:
     return _schedule(config, items)
 
 
-def softmax_program(config: NPUConfig, od: int | None = None, block: int = 0) -> list:
+def softmax_program(config: NPUConfig, od: int | None = None, block: int = 0, last: bool = False) -> list:
     """The softmax of one kv tile as a scheduled micro-program, on S block
-    ``block`` (0, or 1 with ``softmax_overlap``: kv tile j uses block j % 2).
+    ``block`` (0, or 1 with ``softmax_overlap``: kv tile j uses block j % 2);
+    ``last``: the variant for the q tile's last kv tile.
 
     Program order (the scheduler moves ops earlier where the pipeline
     allows): SCALE (+mask, +max fold into T) per row, each row's max
@@ -333,6 +342,12 @@ def softmax_program(config: NPUConfig, od: int | None = None, block: int = 0) ->
     pause point.  With ``softmax_overlap`` each word's ``mac_ok`` marks the
     slots where the next kv tile's Q.K^T MACs may issue
     (``schedule.mac_slots``).
+
+    The last kv tile's l_i is final once its softmax ends (P.V does not
+    touch it), so the ``last`` variant also starts the reciprocals: per row
+    T = l_i (LOADT) and a start on that row's divider.  The divisions
+    (``Recip.LATENCY``, 27 cycles) then run during the tile's P.V instead of
+    inside FINAL (``final_program``).
     """
     g = RegMap(config)
     od = _od(config, od)
@@ -354,6 +369,10 @@ def softmax_program(config: NPUConfig, od: int | None = None, block: int = 0) ->
     for a in range(g.wr):
         items.append(Op(PeOp.RESC, ra=g.ALPHA(a), rb=g.L(a), wa=g.L(a)))
         items.append(Op(PeOp.LADD, ra=g.L(a), wa=g.L(a), ret_sel=g.tag_sum(a)))
+    if last:
+        for a in range(g.wr):
+            items.append(Op(PeOp.LOADT, ra=g.L(a)))
+            items.append(Injection(g.tag_rcp(a), rcp=1))
     words = _schedule(config, items)
     if config.overlaps_softmax:
         for w, ok in zip(words, mac_slots(words)):
@@ -362,18 +381,16 @@ def softmax_program(config: NPUConfig, od: int | None = None, block: int = 0) ->
 
 
 def final_program(config: NPUConfig, od: int | None = None) -> list:
-    """O = O_acc * (1/l) per row: T = l, start the row's reciprocal (its
-    operand is T of PE (r, 0)), FINAL on each of the ``od`` O columns once
-    1/l has arrived (l == 0 gives +0); scheduled."""
+    """O = O_acc * (1/l) per row: FINAL on each of the ``od`` O columns
+    (l == 0 gives +0), scheduled.  The reciprocals were started by the last
+    kv tile's softmax (``softmax_program(last=True)``) and have normally
+    arrived during its P.V; a FINAL word whose 1/l is still on its way
+    (a P.V shorter than the division) waits for it."""
     g = RegMap(config)
     od = _od(config, od)
-    items = []
-    for a in range(g.wr):
-        items.append(Op(PeOp.LOADT, ra=g.L(a)))
-        items.append(Injection(g.tag_rcp(a), rcp=1))
-        items += [Op(PeOp.FINAL, ra=g.O(a, n), rb=g.L(a), wa=g.O(a, n), ret_sel=g.tag_rcp(a))
-                  for n in range(od)]
-    return _schedule(config, items)
+    items = [Op(PeOp.FINAL, ra=g.O(a, n), rb=g.L(a), wa=g.O(a, n), ret_sel=g.tag_rcp(a))
+             for a in range(g.wr) for n in range(od)]
+    return _schedule(config, items, ready=[g.tag_rcp(a) for a in range(g.wr)])
 
 
 def sum_or(values):
@@ -477,8 +494,10 @@ class Core(wiring.Component):
         self.programs = {name: {od: f(config, od) for od in range(1, odm + 1)}
                          for name, f in (("init", init_program), ("sm", softmax_program),
                                          ("final", final_program))}
+        self.programs["sm_last"] = {od: softmax_program(config, od, last=True) for od in range(1, odm + 1)}
         if config.overlaps_softmax:
             self.programs["sm1"] = {od: softmax_program(config, od, 1) for od in range(1, odm + 1)}
+            self.programs["sm1_last"] = {od: softmax_program(config, od, 1, True) for od in range(1, odm + 1)}
         super().__init__({
             "cmd": In(stream.Signature(cmd_layout(config))),
             "wr": In(stream.Signature(write_layout(config))),
@@ -608,6 +627,9 @@ class Core(wiring.Component):
         resume_pc = Signal.like(rom.pc)
         pause_at = Signal(PausePoint)
         tile = Signal(LEN_BITS)                # kv tile, 0..n_kv
+        # tile + 1 == n_kv and tile + 2 == n_kv, kept as flops: the after-tile
+        # decision and the softmax variant then need no comparator
+        tile_last, tile_next_last = Signal(), Signal()
         # visibility terms of the kv tile (see ``_operands``)
         vis_d = Signal(signed(LEN_BITS + 3))   # kv0 + seq_q - q_row0 - seq_kv
         vis_e = Signal(signed(LEN_BITS + 3))   # min(seq_kv, kv_valid_len) - kv0
@@ -744,7 +766,7 @@ class Core(wiring.Component):
             cmd=cmd, od=od, full=full, release=release_o, release_s=release_s, rom=rom, pc=rom.pc,
             pc_set=rom.pc_set, rom_hold=rom.hold, word=word, base=rom.base, first=rom.first, phase=phase,
             resume_to=resume_to, resume_pc=resume_pc, pause_at=pause_at,
-            tile=tile, vis_d=vis_d, vis_e=vis_e, vis_f=vis_f, vis_dn=vis_dn, vis_en=vis_en,
+            tile=tile, tile_last=tile_last, tile_next_last=tile_next_last, vis_d=vis_d, vis_e=vis_e, vis_f=vis_f, vis_dn=vis_dn, vis_en=vis_en,
             k=k, kc=kc, kb=kb, a=a, n=n, sk=sk, sa=sa, sb=sb, gap_sl=gap_sl, ov=ov,
             ahead_done=ahead_done, ins=ins, s_par=s_par, s_first=s_first,
             enter_sm=enter_sm, kn_sel=kn_sel, kn_ok=kn_ok, par=par, par_n=par_n,
@@ -769,13 +791,15 @@ class Core(wiring.Component):
         m.d.comb += s.enter_s.eq(1)
         m.d.sync += s.phase.eq(Phase.S)
 
-    def _sm_base(self, s, par, of=None):
+    def _sm_base(self, s, par, last, of=None):
         """First ROM address (``of=s.first``: first word) of the softmax
-        program on S block ``par``."""
+        program on S block ``par``, the variant for the q tile's last kv
+        tile when ``last``."""
         of = of or s.base
+        b0 = Mux(last, of("sm_last"), of("sm"))
         if not self.config.overlaps_softmax:
-            return of("sm")
-        return Mux(par, of("sm1"), of("sm"))
+            return b0
+        return Mux(par, Mux(last, of("sm1_last"), of("sm1")), b0)
 
     @staticmethod
     def _goto(m, s, addr, word):
@@ -783,10 +807,10 @@ class Core(wiring.Component):
         (a program's first word, from ``s.first``)."""
         m.d.comb += [s.pc_set.eq(addr), s.rom.jump_word.eq(word), s.rom.jump.eq(1), s.rom.step.eq(0)]
 
-    def _enter_sm(self, m, s, par):
-        """Go to the softmax of the tile whose S block is ``par`` (WAIT_M
-        first when its mask is not in)."""
-        self._goto(m, s, self._sm_base(s, par), self._sm_base(s, par, s.first))
+    def _enter_sm(self, m, s, par, last):
+        """Go to the softmax of the tile whose S block is ``par`` (``last``:
+        the q tile's last kv tile; WAIT_M first when its mask is not in)."""
+        self._goto(m, s, self._sm_base(s, par, last), self._sm_base(s, par, last, s.first))
         with m.If(s.m_ok):
             m.d.comb += s.enter_sm.eq(1)
             m.d.sync += s.phase.eq(Phase.SM)
@@ -826,7 +850,7 @@ class Core(wiring.Component):
                         with m.If(~last_k & ~self.inject[Inject.NO_GAP]):
                             m.d.sync += s.gap_sl.eq(gap_s(cfg))
             with m.If(last_b & last_a & last_k):
-                t_last = (s.tile + 2 if ahead else s.tile + 1) == cmd.n_kv
+                t_last = s.tile_next_last if ahead else s.tile_last
                 k_rel = s.kn_sel if ahead else s.k_sel
                 m.d.comb += s.release_s.eq(k_rel | Mux(t_last, 1 << BufSel.Q, 0))
                 if ahead:
@@ -834,12 +858,13 @@ class Core(wiring.Component):
                 else:
                     with m.If(cmd.pause[PausePoint.S_RAW]):
                         m.d.sync += [s.phase.eq(Phase.PAUSED), s.resume_to.eq(Phase.WAIT_M),
-                                     s.pause_at.eq(PausePoint.S_RAW), s.resume_pc.eq(s.base("sm"))]
+                                     s.pause_at.eq(PausePoint.S_RAW),
+                                     s.resume_pc.eq(self._sm_base(s, par, t_last))]
                     with m.Elif(s.init_after_s):
                         m.d.sync += s.phase.eq(Phase.INIT)
                         self._goto(m, s, s.base("init"), s.first("init"))
                     with m.Else():
-                        self._enter_sm(m, s, par)
+                        self._enter_sm(m, s, par, t_last)
 
     def _start_pv(self, m, s):
         m.d.sync += [s.k.eq(0), s.kc.eq(0), s.kb.eq(0), s.a.eq(0), s.n.eq(0)]
@@ -850,7 +875,7 @@ class Core(wiring.Component):
         its Q.K^T already ran ahead, the rest of its Q.K^T when it started,
         or its Q.K^T (once its K half is in)."""
         cmd, phase = s.cmd, s.phase
-        last_tile = s.tile + 1 == cmd.n_kv
+        last_tile, next_last = s.tile_last, s.tile_next_last
         s_mid = (s.sk != 0) | (s.sa != 0) | (s.sb != 0)
         nxt = Signal(Phase, name="after_tile")
         nxt_pc = Signal.like(s.pc, name="after_tile_pc")
@@ -859,8 +884,8 @@ class Core(wiring.Component):
         with m.If(last_tile):
             m.d.comb += nxt.eq(Phase.FINAL)
         with m.Elif(s.ahead_done):
-            m.d.comb += [nxt.eq(Phase.WAIT_M), nxt_pc.eq(self._sm_base(s, s.par_n)),
-                         nxt_word.eq(self._sm_base(s, s.par_n, s.first))]
+            m.d.comb += [nxt.eq(Phase.WAIT_M), nxt_pc.eq(self._sm_base(s, s.par_n, next_last)),
+                         nxt_word.eq(self._sm_base(s, s.par_n, next_last, s.first))]
         with m.Elif(s_mid):
             m.d.comb += nxt.eq(Phase.S)
         with m.Else():
@@ -869,7 +894,7 @@ class Core(wiring.Component):
             m.d.sync += [phase.eq(Phase.PAUSED), s.resume_to.eq(nxt),
                          s.pause_at.eq(PausePoint.TILE), s.resume_pc.eq(nxt_pc)]
         with m.Elif(~last_tile & s.ahead_done):
-            self._enter_sm(m, s, s.par_n)
+            self._enter_sm(m, s, s.par_n, next_last)
         with m.Elif(~last_tile & ~s_mid & s.kn_ok):
             self._start_s(m, s)                # back-to-back tiles: no bubble
         with m.Else():
@@ -916,6 +941,7 @@ class Core(wiring.Component):
             m.d.comb += s.accept.eq(1)
             vis_e0 = Mux(p.seq_kv < p.kv_valid_len, p.seq_kv, p.kv_valid_len)
             m.d.sync += [cmd.eq(p), tile.eq(0), s.od.eq(od_new),
+                         s.tile_last.eq(p.n_kv == 1), s.tile_next_last.eq(p.n_kv == 2),
                          s.vis_d.eq(p.seq_q - p.q_row0 - p.seq_kv),
                          s.vis_e.eq(vis_e0),
                          s.vis_dn.eq(p.seq_q - p.q_row0 - p.seq_kv + Bc),
@@ -942,7 +968,7 @@ class Core(wiring.Component):
                 def init_last():
                     with m.If(s.init_after_s):
                         m.d.sync += s.init_after_s.eq(0)
-                        self._enter_sm(m, s, s.par)
+                        self._enter_sm(m, s, s.par, s.tile_last)
                     with m.Else():
                         m.d.sync += phase.eq(Phase.WAIT_K)
                 with m.If(~s.out_on):               # after an early accept: once O is out
@@ -966,7 +992,7 @@ class Core(wiring.Component):
                         m.d.sync += phase.eq(Phase.WAIT_V)
                 self._run_rom(m, s, sm_last)
                 # the next tile's Q.K^T in the program's free slots
-                with m.If(s.ov & s.word.mac_ok & ~s.rom_stall & (tile + 1 < cmd.n_kv)
+                with m.If(s.ov & s.word.mac_ok & ~s.rom_stall & ~s.tile_last
                           & ~s.ahead_done & s.kn_ok):
                     self._s_step(m, s, ahead=True)
             with m.Case(Phase.WAIT_V):
@@ -997,7 +1023,8 @@ class Core(wiring.Component):
                     with m.If(last_n & last_a & last_k):
                         m.d.comb += release.eq(s.v_sel)
                         self._after_tile(m, s)
-                        m.d.sync += [tile.eq(tile + 1), s.vis_d.eq(s.vis_d + Bc),
+                        m.d.sync += [tile.eq(tile + 1), s.tile_last.eq(s.tile_next_last),
+                                     s.tile_next_last.eq(tile + 3 == cmd.n_kv), s.vis_d.eq(s.vis_d + Bc),
                                      s.vis_e.eq(s.vis_e - Bc), s.vis_dn.eq(s.vis_dn + Bc),
                                      s.vis_en.eq(s.vis_en - Bc), s.ahead_done.eq(0)]
             with m.Case(Phase.FINAL):

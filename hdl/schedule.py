@@ -13,9 +13,11 @@ cycle ("slot") that respects
   register, on T and on U, with the register file's transparent reads;
 * one op per slot, one register-file write per cycle, one entry per cycle
   into each pipelined unit;
-* the row tree and the reciprocal: an injection reads T in its own slot,
+* the row tree and the reciprocals: an injection reads T in its own slot,
   its result can be read ``RowReduce.LATENCY`` (``Recip.LATENCY``) + 1
-  slots later, and a reciprocal runs alone (a new start abandons it);
+  slots later; the row has one divider per query row (return tag), and a
+  division runs alone on its divider (a new start with the same tag
+  abandons it);
 * the S pause point: its slot comes after all earlier activity and before
   every later op, so a pause cannot reorder anything;
 * entry: the MACs of the phase before may still write any register in
@@ -68,7 +70,7 @@ class Inject:
         self.tag, self.tree, self.rcp, self.pause = tag, TreeOp(tree), rcp, pause
 
 
-def schedule(items, tree_latency: int, recip_latency: int) -> list:
+def schedule(items, tree_latency: int, recip_latency: int, ready=()) -> list:
     """Place ``items`` (``Op`` and ``Inject``, in program order) into slots.
 
     Parameters
@@ -77,6 +79,10 @@ def schedule(items, tree_latency: int, recip_latency: int) -> list:
     tree_latency, recip_latency : int
         Cycles from an injection (its slot) to the result's arrival in the
         row's return registers (``RowReduce.LATENCY``, ``Recip.LATENCY``).
+    ready : iterable of int
+        Return tags injected before the program (by the program before
+        it) and assumed to have arrived by its first slot; should one be
+        late at run time, the reading word waits for it (``Core``).
 
     Returns
     -------
@@ -93,8 +99,8 @@ def schedule(items, tree_latency: int, recip_latency: int) -> list:
     rf_w, rf_r = {}, {}                # register -> cycles of writes / read addresses
     res = {"T": ([], []), "U": ([], [])}   # (writes, reads) of the temporaries
     busy = {"write": set(range(ENTRY_WRITES))}
-    ready, active, min_slot = {}, [ENTRY_WRITES - 1], 0
-    rcp_free = 0
+    ready, active, min_slot = {tag: 0 for tag in ready}, [ENTRY_WRITES - 1], 0
+    rcp_free = {}                      # tag -> first slot its divider is free
     entry_write = ENTRY_WRITES - 1     # any register may be written up to here
 
     def free(name, cycle):
@@ -106,7 +112,7 @@ def schedule(items, tree_latency: int, recip_latency: int) -> list:
             if it.pause:
                 c = max(c, max(active) + 1)
             if it.rcp:
-                c = max(c, rcp_free)
+                c = max(c, rcp_free.get(it.tag, 0))
             while c in injs:
                 c += 1
             injs[c] = it
@@ -114,7 +120,7 @@ def schedule(items, tree_latency: int, recip_latency: int) -> list:
             lat = recip_latency if it.rcp else tree_latency
             ready[it.tag] = c + lat + 1
             if it.rcp:
-                rcp_free = c + recip_latency
+                rcp_free[it.tag] = c + recip_latency
             active.append(c)
             if it.pause:
                 min_slot = c + 1

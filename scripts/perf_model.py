@@ -15,7 +15,8 @@ holding a wr x wc block of S and a wr x od block of O_acc, od = ceil(d / C))::
     per q tile : init (m, l, O_acc)                                 [core INIT]
     per pair   : S phase d·wr·wc + softmax program + PV keys·wr·od  [S, SM, PV]
                  (keys: up to the tile's last key a valid row sees, <= Bc)
-    per q tile : final (reciprocal, O = O_acc/l) + read-out rows·od+1 [FINAL, OUT]
+    per q tile : the last softmax's reciprocal starts (1/l runs during the
+                 last P·V), final (O = O_acc/l) + read-out rows·od+1 [FINAL, OUT]
                  (rows: the q tile's valid rows, <= Br)
     plus the cycles the core waits for a tile buffer (DMA stall)    [WAIT_*]
 
@@ -170,9 +171,14 @@ def rtl_program_cycles(config: NPUConfig, head_dim: int) -> dict | None:
     Returns
     -------
     dict or None
-        ``init``, ``softmax``, ``final`` (cycles) and ``softmax_slots`` (the
-        softmax program's slots, as offsets from its start, where the next
-        kv tile's Q·Kᵀ may issue: ``mac_ok``, empty without
+        ``init``, ``softmax``, ``softmax_last`` (the q tile's last kv tile,
+        which also starts the reciprocals), ``final`` (cycles, its
+        reciprocals arrived), ``final_ready`` (per reciprocal: the FINAL
+        slot of its first reader and its arrival, counted from the start of
+        ``softmax_last``: FINAL waits ``final_wait`` cycles when the P·V
+        between them is short) and ``softmax_slots`` (the softmax
+        program's slots, as offsets from its start, where the next kv
+        tile's Q·Kᵀ may issue: ``mac_ok``, empty without
         ``softmax_overlap``), or None when the RTL core cannot be imported
         or its programs do not have the expected form.
     """
@@ -186,8 +192,8 @@ def rtl_program_cycles(config: NPUConfig, head_dim: int) -> dict | None:
         tree_lat = tree_latency(config.array_cols)
         od = config.o_cols_per_pe(head_dim)
 
-        def run(prog):
-            t, ready = 0, {}
+        def run(prog, ready=None):
+            t, ready = 0, dict(ready or {})
             for w in prog:
                 ctl = w["ctl"]
                 if w.get("wait") and ctl["ret_sel"] in ready:
@@ -199,11 +205,18 @@ def rtl_program_cycles(config: NPUConfig, head_dim: int) -> dict | None:
                 t += 1
                 if w.get("last"):
                     break
-            return t
+            return t, ready
 
         sm = softmax_program(config, od)
-        return dict(init=run(init_program(config, od)), softmax=run(sm),
-                    final=run(final_program(config, od)),
+        sm_last, rcp = run(softmax_program(config, od, last=True))
+        final = final_program(config, od)
+        first_read = {}
+        for c, w in enumerate(final):
+            if w.get("wait"):
+                first_read.setdefault(w["ctl"]["ret_sel"], c)
+        return dict(init=run(init_program(config, od))[0], softmax=run(sm)[0], softmax_last=sm_last,
+                    final=run(final, {tag: 0 for tag in first_read})[0],
+                    final_ready=tuple((c, rcp[tag]) for tag, c in sorted(first_read.items())),
                     softmax_slots=tuple(c for c, w in enumerate(sm) if w.get("mac_ok")))
     except Exception:            # no RTL yet, or a program of another form: use the formulas
         return None
@@ -366,6 +379,27 @@ class Timing:
                 + wr * wc * e + L * self.tree_level_cycles          # local sum, tree
                 + wr + wr * od)                                     # l update, O_acc rescale
 
+    def softmax_last_extra(self, config: NPUConfig, head_dim: int) -> int:
+        """Cycles the q tile's last softmax takes beyond ``softmax_cycles``:
+        it also loads l_i into T and starts each row's reciprocal
+        (formula fallback: 2 per row)."""
+        rtl = self._rtl(config, head_dim)
+        if rtl:
+            return rtl["softmax_last"] - rtl["softmax"]
+        return 2 * config.rows_per_pe
+
+    def final_wait(self, config: NPUConfig, head_dim: int, pv_last: int) -> int:
+        """Cycles FINAL waits for its reciprocals when the last kv tile's
+        P·V (``pv_last`` cycles) is shorter than the divisions that the
+        last softmax started (0 at the design point; formula fallback: a
+        division started at the softmax's end, read in FINAL's first op
+        slot)."""
+        rtl = self._rtl(config, head_dim)
+        if rtl:
+            n = self.softmax_cycles(config, head_dim) + self.softmax_last_extra(config, head_dim)
+            return max([0] + [ready - (n + pv_last + c) for c, ready in rtl["final_ready"]])
+        return max(0, self.recip_cycles + 1 - pv_last - 3)
+
     def init_cycles(self, config: NPUConfig, head_dim: int) -> int:
         """m = -inf, l = 0, O_acc = 0 per q tile: 2·wr + wr·od words (cycles)."""
         if self.init_override is not None:
@@ -377,15 +411,17 @@ class Timing:
         return 2 * wr + wr * od
 
     def final_cycles(self, config: NPUConfig, head_dim: int) -> int:
-        """O = O_acc · (1/l) per q tile: per PE row, load l, start the
-        reciprocal, wait for it, scale od O columns (cycles)."""
+        """O = O_acc · (1/l) per q tile, its reciprocals arrived (the last
+        softmax started them): wr·od FINAL ops after the MACs' last writes
+        (cycles; formula fallback: 3 entry slots, the ops, the 5-stage
+        write)."""
         if self.final_override is not None:
             return int(self.final_override)
         rtl = self._rtl(config, head_dim)
         if rtl:
             return rtl["final"]
         wr, od = config.rows_per_pe, config.o_cols_per_pe(head_dim)
-        return wr * (2 + self.recip_cycles + od)
+        return 3 + wr * od + 5
 
     def out_cycles(self, config: NPUConfig, head_dim: int, rows: int | None = None) -> int:
         """O read-out of one q tile with ``rows`` valid rows (default Br): rows·od
@@ -727,12 +763,16 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
         return tuple(pv_cycles(int(keys)) for keys in pv_keys(i))
     sm_cyc = t.softmax_cycles(config, d)
     sm_exposed = 0 if t.overlap_softmax else sm_cyc
+    # the q tile's last softmax also starts the reciprocals (hdl/core.py)
+    sm_last_extra = t.softmax_last_extra(config, d)
     # the next kv tile's Q·Kᵀ in the softmax's free slots (hdl/core.py;
     # the baseline spills S between the phases, so nothing runs ahead)
     sm_slots = t.softmax_slots(config, d) if design == "register" else ()
     pair_cyc = s_cyc - min(s_cyc, len(sm_slots)) + sm_exposed + pv_cyc   # a pair in steady state
     init_cyc = t.init_cycles(config, d)
     final_cyc = t.final_cycles(config, d)
+    # FINAL waits for 1/l only when the last tile's P·V is shorter than the division
+    final_wait = sum(t.final_wait(config, d, pv_tiles(i)[-1]) for i in range(nq))
     out_cyc = np.array([t.out_cycles(config, d, int(r)) for r in valid_rows], dtype=np.int64)
     qtile_cyc = init_cyc + final_cyc + t.qtile_gap_cycles   # per q tile, outside pairs and read-out
 
@@ -933,9 +973,10 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
     # every PE: each PE of a row evaluates the row's alpha itself
     exp2_ops = pairs * (wr * wc + wr) * R * C
     recip_ops = q_tiles * br
-    softmax_cycles = pairs * sm_cyc
+    softmax_cycles = pairs * sm_cyc + q_tiles * sm_last_extra
     spill_cycles = pairs * spill_cyc_pair
     total = (pairs * s_cyc - hidden_s + pv_cyc_total + pairs * sm_exposed + q_tiles * qtile_cyc
+             + (0 if t.overlap_softmax else q_tiles * sm_last_extra) + units * final_wait
              + units * int(out_cyc.sum()) - overlap_out + dma_stall + spill_cycles + drain_cycles
              + job_cycles)
 
@@ -1246,8 +1287,9 @@ def calibrate_timing(job: Job, measured: Counters, config: NPUConfig = DEFAULT,
                      timing: Timing | None = None, **model_kw) -> Timing:
     """Timing fitted to one job's RTL counters.
 
-    * softmax phase: the RTL's softmax counter is pairs · softmax_phase, so
-      softmax_phase = measured.softmax_cycles / pairs (must divide exactly);
+    * softmax phase: the RTL's softmax counter is pairs · softmax_phase +
+      q_tiles · (the last softmax's extra cycles), so softmax_phase follows
+      from it (must divide exactly);
     * per-q-tile phases: what the total leaves after the MAC, softmax and
       stall cycles, the read-out and the last O write-back is q_tiles ·
       (init + final); init is kept, final takes the rest (rounded).
@@ -1263,10 +1305,11 @@ def calibrate_timing(job: Job, measured: Counters, config: NPUConfig = DEFAULT,
     r = model(job, config, "register", timing=t, **model_kw)
     if r.tile_pairs == 0:
         raise ValueError(f"{job} computes no tile pair: nothing to calibrate on")
-    if measured.softmax_cycles % r.tile_pairs:
-        raise ValueError(f"RTL softmax_cycles={measured.softmax_cycles} is not a multiple of "
-                         f"pairs={r.tile_pairs}")
-    sm = measured.softmax_cycles // r.tile_pairs
+    sm_pairs = measured.softmax_cycles - r.q_tiles * t.softmax_last_extra(config, job.head_dim)
+    if sm_pairs % r.tile_pairs:
+        raise ValueError(f"RTL softmax_cycles={measured.softmax_cycles} less the last softmaxes' "
+                         f"extra cycles is not a multiple of pairs={r.tile_pairs}")
+    sm = sm_pairs // r.tile_pairs
     # the rest is read with that softmax length (and the Q·Kᵀ it hides)
     r = model(job, config, "register", timing=t.replace(softmax_override=sm), **model_kw)
     c = r.counters

@@ -215,7 +215,8 @@ def test_programs_are_complete_and_never_wait():
     return-register reads come after the results arrive, so the run-time
     wait never stalls (the perf model's walk, which stalls like the core,
     equals the program length)."""
-    from flashnpu.scripts.perf_model import rtl_program_cycles
+    from flashnpu.hdl.fpu import Recip
+    from flashnpu.scripts.perf_model import Timing, rtl_program_cycles
     for cfg in (CFG2, CFG4, DEFAULT):
         wr, wc = cfg.rows_per_pe, cfg.cols_per_pe
         for od in range(1, cfg.o_cols_per_pe(cfg.max_head_dim) + 1):
@@ -231,9 +232,16 @@ def test_programs_are_complete_and_never_wait():
             hd = min(od * cfg.array_cols, cfg.max_head_dim)
             walked = rtl_program_cycles(cfg, hd)
             slots = tuple(c for c, w in enumerate(prog) if w["mac_ok"])
-            assert walked == {"init": len(init_program(cfg, od)), "softmax": len(prog),
-                              "final": len(final_program(cfg, od)), "softmax_slots": slots}, \
-                (cfg.array_rows, od)
+            last = softmax_program(cfg, od, last=True)
+            final = final_program(cfg, od)
+            assert [w["ctl"]["op"] for w in last].count(PeOp.LOADT) == wr
+            assert sum(w["ctl"]["rcp"] for w in last) == wr and not any(w["ctl"]["rcp"] for w in final)
+            assert [w["ctl"]["op"] for w in final].count(PeOp.FINAL) == wr * od
+            assert {k: v for k, v in walked.items() if k != "final_ready"} == {
+                "init": len(init_program(cfg, od)), "softmax": len(prog), "softmax_last": len(last),
+                "final": len(final), "softmax_slots": slots}, (cfg.array_rows, od)
+            # every reciprocal has arrived once a P.V as long as the division has run
+            assert Timing().final_wait(cfg, hd, Recip.LATENCY) == 0, (cfg.array_rows, od)
             # the program on S block 1 is the same schedule on other registers
             prog1 = softmax_program(cfg, od, 1)
             assert [(w["ctl"]["op"], w["mac_ok"]) for w in prog1] == [(w["ctl"]["op"], w["mac_ok"]) for w in prog]
