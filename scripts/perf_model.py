@@ -58,7 +58,7 @@ Every ASSUMPTION is marked where it is made.  The main ones:
   whole), else streamed through two ping-pong halves for every q tile; two
   Q and two O regions, so the core takes the next q tile's command as the
   read-out of the last one starts (``Timing.early_accept``); one DMA engine at one bus word per cycle, a loader at
-  two words per request, an O writer at C FP32 lanes per request; the O
+  four words per request, an O writer at C FP32 lanes per request; the O
   write-back in chunks of Br/4 rows.  In series stay the first q tile's
   wait for Q and K_0 (and for V_0 when the DMA's two-descriptor write side
   makes V_0 pay a second DRAM latency) and the last q tile's O write-back;
@@ -809,10 +809,10 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
 
     # --- DMA (DRAM -> TSV -> SRAM, and O back) ------------------------------------
     # Bus words: the DMA moves W bytes per cycle, the tile loader reads LW =
-    # 2 words per request, the O writer writes OW = C FP32 lanes (rounded up
+    # 4 words per request, the O writer writes OW = C FP32 lanes (rounded up
     # to a power-of-two number of words) per request (hdl/npu.py
     # ``loader_lanes``, ``o_lanes``).
-    LW = min(2, config.sram_banks) * W
+    LW = min(4, config.sram_banks) * W
     OW = min(config.sram_banks, 1 << max(0, (-(-4 * C // W) - 1).bit_length())) * W
     wq = -(-d * FP16 // W)                        # DMA words per FP16 row
     wo = -(-d * FP32 // W)                        # DMA words per FP32 O row
