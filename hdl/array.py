@@ -118,9 +118,10 @@ def module_texts(config: NPUConfig) -> str:
     return "\n".join(texts)
 
 
-def _or(values):
-    out = values[0]
-    for v in values[1:]:
+def sum_or(values):
+    """OR of a list of values (0 for none)."""
+    out = 0
+    for v in values:
         out = out | v
     return out
 
@@ -259,7 +260,7 @@ class PeRow(wiring.Component):
         # operand stage (two dividers never finish in the same cycle: their
         # starts are in different slots and they take the same time)
         m.d.comb += [self.ev_tree.eq(tree.res_valid_next), self.ev_tree_tag.eq(tree.res_tag_next),
-                     self.ev_rcp.eq(Cat(rnexts).any()), self.ev_rcp_tag.eq(_or(rtags))]
+                     self.ev_rcp.eq(Cat(rnexts).any()), self.ev_rcp_tag.eq(sum_or(rtags))]
         # the op's returned value, registered twice: it reaches the PEs in
         # stage E2 (``pe.RET_STAGE``), from a flop, over the row-long wire
         ret_sel1 = Signal.like(ctl.ret_sel)

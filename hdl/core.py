@@ -149,7 +149,7 @@ from amaranth.lib.wiring import In, Out
 
 from flashnpu.config import NPUConfig
 
-from .array import PeArray, module_texts
+from .array import PeArray, module_texts, sum_or
 from .fpu import Recip
 from .pe import MAC_RECURRENCE, OP_TIMING, PIPE_DEPTH, RF_READ_STAGE, PeOp, RegMap, TreeOp, _bits, ctl_layout
 from .reduce import tree_latency
@@ -391,14 +391,6 @@ def final_program(config: NPUConfig, od: int | None = None) -> list:
     items = [Op(PeOp.FINAL, ra=g.O(a, n), rb=g.L(a), wa=g.O(a, n), ret_sel=g.tag_rcp(a))
              for a in range(g.wr) for n in range(od)]
     return _schedule(config, items, ready=[g.tag_rcp(a) for a in range(g.wr)])
-
-
-def sum_or(values):
-    """OR of a list of values (0 for none)."""
-    out = 0
-    for v in values:
-        out = out | v
-    return out
 
 
 def gap_s(config: NPUConfig) -> int:
