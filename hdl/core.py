@@ -304,8 +304,8 @@ def rom_layout(config: NPUConfig) -> data.StructLayout:
     })
 
 
-def _schedule(config: NPUConfig, items, ready=()) -> list:
-    return schedule(items, tree_latency(config.array_cols), Recip.LATENCY, ready)
+def _schedule(config: NPUConfig, items, arrived=()) -> list:
+    return schedule(items, tree_latency(config.array_cols), Recip.LATENCY, arrived)
 
 
 def _od(config: NPUConfig, od):
@@ -390,7 +390,7 @@ def final_program(config: NPUConfig, od: int | None = None) -> list:
     od = _od(config, od)
     items = [Op(PeOp.FINAL, ra=g.O(a, n), rb=g.L(a), wa=g.O(a, n), ret_sel=g.tag_rcp(a))
              for a in range(g.wr) for n in range(od)]
-    return _schedule(config, items, ready=[g.tag_rcp(a) for a in range(g.wr)])
+    return _schedule(config, items, arrived=[g.tag_rcp(a) for a in range(g.wr)])
 
 
 def gap_s(config: NPUConfig) -> int:

@@ -244,7 +244,8 @@ def loader_lanes(config: NPUConfig) -> int:
     under one word per cycle at d = 128 on 32 x 32, so two words would do;
     but the first q tile's Q and K_0 load in series before anything
     computes, and at 32 x 32, d = 128, four words instead of two cut that
-    wait from 654 to about 400 cycles (``results/npu.md``)."""
+    wait from 654 to about 400 cycles (``dma_stall_cycles`` in
+    ``results/npu.json``)."""
     return min(4, config.sram_banks)
 
 

@@ -70,7 +70,7 @@ class Inject:
         self.tag, self.tree, self.rcp, self.pause = tag, TreeOp(tree), rcp, pause
 
 
-def schedule(items, tree_latency: int, recip_latency: int, ready=()) -> list:
+def schedule(items, tree_latency: int, recip_latency: int, arrived=()) -> list:
     """Place ``items`` (``Op`` and ``Inject``, in program order) into slots.
 
     Parameters
@@ -79,7 +79,7 @@ def schedule(items, tree_latency: int, recip_latency: int, ready=()) -> list:
     tree_latency, recip_latency : int
         Cycles from an injection (its slot) to the result's arrival in the
         row's return registers (``RowReduce.LATENCY``, ``Recip.LATENCY``).
-    ready : iterable of int
+    arrived : iterable of int
         Return tags injected before the program (by the program before
         it) and assumed to have arrived by its first slot; should one be
         late at run time, the reading word waits for it (``Core``).
@@ -99,7 +99,7 @@ def schedule(items, tree_latency: int, recip_latency: int, ready=()) -> list:
     rf_w, rf_r = {}, {}                # register -> cycles of writes / read addresses
     res = {"T": ([], []), "U": ([], [])}   # (writes, reads) of the temporaries
     busy = {"write": set(range(ENTRY_WRITES))}
-    ready, active, min_slot = {tag: 0 for tag in ready}, [ENTRY_WRITES - 1], 0
+    ready, active, min_slot = {tag: 0 for tag in arrived}, [ENTRY_WRITES - 1], 0
     rcp_free = {}                      # tag -> first slot its divider is free
     entry_write = ENTRY_WRITES - 1     # any register may be written up to here
 

@@ -257,7 +257,7 @@ def test_calibration_recovers_a_known_softmax_phase():
 # ``qtile_ctrl_cycles``, ``o_done_cycles``), and the model tracks neither the
 # DRAM's row state (an access to a closed bank pays tRCD, 21 cycles) nor the
 # phase of its refresh (tRP + tRFC every tREFI, which the job's slack mostly
-# hides): on these jobs that leaves -13 to +12 cycles, most of it in the
+# hides): on these jobs that leaves -13 to +15 cycles, most of it in the
 # last q tile's O tail (o_done_cycles is the median fit: +5 where that tile
 # has 14 or 16 valid rows, -8 where it has at most 9); 1.6 % of the
 # 848-cycle decode job.  These are the jobs the constants were fitted on (in
