@@ -64,7 +64,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(JOBS) -m "not slow" tb
+	$(BIN)/python -m pytest -n $(JOBS) -m "not slow" --durations=15 tb
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -n $(JOBS) tb

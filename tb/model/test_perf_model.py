@@ -290,6 +290,35 @@ def test_model_matches_rtl_counters():
     assert not bad, "\n".join(bad)
 
 
+#: the model's promise on jobs it was not fitted on (issue "figures an
+#: architect can trust"): every cycle counter within 2 % of the job's cycles
+HELDOUT_TOLERANCE = 0.02
+
+
+@pytest.mark.rtl
+# slow: the 8x8 NPU build and a simulator session; runs in `make test-all`
+@pytest.mark.slow
+def test_model_holds_on_held_out_jobs():
+    """``bench.HELDOUT_JOBS``: shapes the model's constants never saw.
+    Cycle counters within ``HELDOUT_TOLERANCE`` of the job's cycles, every
+    byte and operation counter exact."""
+    if not runner.have_simulator("verilator"):
+        pytest.skip("Verilator is not installed")
+    cfg = small_config(**bench.VALIDATION_CONFIG)
+    assert not set(bench.HELDOUT_JOBS) & set(bench.VALIDATION_JOBS)
+    measured = rtl_counters_many(bench.HELDOUT_JOBS, cfg)
+    bad = []
+    for job, m in zip(bench.HELDOUT_JOBS, measured):
+        assert m["error"] == 0, f"{job}: the NPU reported error {m['error']}"
+        mod = model(job, cfg, "register").counters
+        for f in RTL_COUNTER_FIELDS:
+            a, b = getattr(mod, f), getattr(m["counters"], f)
+            tol = HELDOUT_TOLERANCE * m["counters"].total_cycles if f.endswith("_cycles") else 0
+            if abs(a - b) > tol:
+                bad.append(f"{job}: {f} model {a} rtl {b}")
+    assert not bad, "\n".join(bad)
+
+
 def test_bench_report(tmp_path):
     res = bench.run(tmp_path, quick=True, show_progress=False)
     report = (tmp_path / "report.md").read_text()
