@@ -266,6 +266,22 @@ def test_calibration_recovers_a_known_softmax_phase():
 CYCLE_TOLERANCE = 0.016
 
 
+def _assert_model_matches(jobs, measured, cfg, cycle_tolerance):
+    """Every job ran without error, and the model's counters equal the
+    RTL's: cycle counters within ``cycle_tolerance`` of the job's cycles,
+    all others exactly."""
+    bad = []
+    for job, m in zip(jobs, measured, strict=True):
+        assert m["error"] == 0, f"{job}: the NPU reported error {m['error']}"
+        mod = model(job, cfg, "register").counters
+        for f in RTL_COUNTER_FIELDS:
+            a, b = getattr(mod, f), getattr(m["counters"], f)
+            tol = cycle_tolerance * m["counters"].total_cycles if f.endswith("_cycles") else 0
+            if abs(a - b) > tol:
+                bad.append(f"{job}: {f} model {a} rtl {b}")
+    assert not bad, "\n".join(bad)
+
+
 @pytest.mark.rtl
 # slow: builds of its own (several minutes on 2 cores); runs in `make test-all`
 @pytest.mark.slow
@@ -278,16 +294,7 @@ def test_model_matches_rtl_counters():
         measured = rtl_counters_many(bench.VALIDATION_JOBS, cfg)
     except RTLUnavailable as e:
         pytest.skip(f"RTL NPU not available yet: {e}")
-    bad = []
-    for job, m in zip(bench.VALIDATION_JOBS, measured):
-        assert m["error"] == 0, f"{job}: the NPU reported error {m['error']}"
-        mod = model(job, cfg, "register").counters
-        for f in RTL_COUNTER_FIELDS:
-            a, b = getattr(mod, f), getattr(m["counters"], f)
-            tol = CYCLE_TOLERANCE * m["counters"].total_cycles if f.endswith("_cycles") else 0
-            if abs(a - b) > tol:
-                bad.append(f"{job}: {f} model {a} rtl {b}")
-    assert not bad, "\n".join(bad)
+    _assert_model_matches(bench.VALIDATION_JOBS, measured, cfg, CYCLE_TOLERANCE)
 
 
 #: the model's promise on jobs it was not fitted on (issue "figures an
@@ -307,16 +314,7 @@ def test_model_holds_on_held_out_jobs():
     cfg = small_config(**bench.VALIDATION_CONFIG)
     assert not set(bench.HELDOUT_JOBS) & set(bench.VALIDATION_JOBS)
     measured = rtl_counters_many(bench.HELDOUT_JOBS, cfg)
-    bad = []
-    for job, m in zip(bench.HELDOUT_JOBS, measured):
-        assert m["error"] == 0, f"{job}: the NPU reported error {m['error']}"
-        mod = model(job, cfg, "register").counters
-        for f in RTL_COUNTER_FIELDS:
-            a, b = getattr(mod, f), getattr(m["counters"], f)
-            tol = HELDOUT_TOLERANCE * m["counters"].total_cycles if f.endswith("_cycles") else 0
-            if abs(a - b) > tol:
-                bad.append(f"{job}: {f} model {a} rtl {b}")
-    assert not bad, "\n".join(bad)
+    _assert_model_matches(bench.HELDOUT_JOBS, measured, cfg, HELDOUT_TOLERANCE)
 
 
 def test_bench_report(tmp_path):
