@@ -87,7 +87,7 @@ decode: $(STAMP)
 	  --backend $(DECODE_BACKEND) --rows $(ROWS) --cols $(COLS)
 
 bench: $(STAMP)
-	$(BIN)/flashnpu bench --out results
+	$(BIN)/flashnpu bench --out results --readme README.md
 
 regress: $(STAMP)
 	$(BIN)/flashnpu regress --jobs $(REGRESS_JOBS) --seed $(SEED) --rows $(ROWS) --cols $(COLS) \

@@ -7,6 +7,7 @@ What it does::
             │ sweeps: seq_len, head_dim, array size, TSV / register energy
             ▼
     DIR/report.md + DIR/*.png + DIR/bench.json      (and the key table on stdout)
+    --readme FILE: FILE's <!-- bench:NAME --> tables  (README_BLOCKS; make bench: README.md)
 
 The counters come from the analytical model (``flashnpu.scripts.perf_model``);
 the report's "validation against RTL counters" section shows how far that
@@ -34,9 +35,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from flashnpu.config import DEFAULT, NPUConfig, small_config
-from flashnpu.paths import atomic_write, output_dir, write_text
+from flashnpu.errors import UsageError
+from flashnpu.paths import atomic_write, input_file, output_dir, write_text
 
-from .energy import SOURCES, TERMS, EnergyTable, energy_of
+from .energy import LEAKAGE_FRACTIONS, MEMORY_CLASSES, SOURCES, TERMS, EnergyTable, energy_of
 from .perf_model import (
     RTL_COUNTER_FIELDS,
     Job,
@@ -101,6 +103,9 @@ def register(subparsers):
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="results", metavar="DIR", help="report folder (default: results)")
     p.add_argument("--quick", action="store_true", help="short sweeps (seq_len up to 2k), for a smoke test")
+    p.add_argument("--readme", metavar="FILE",
+                   help="also rewrite FILE's tables between '<!-- bench:NAME -->' and '<!-- /bench:NAME -->' "
+                        f"markers (NAME: {', '.join(README_BLOCKS)}); make bench passes README.md")
     p.add_argument("--validate-rtl", action="store_true",
                    help="first run the small validation jobs on the RTL NPU and write DIR/rtl_validation.json")
     p.add_argument("--sim", choices=["verilator", "icarus"], default="verilator",
@@ -127,7 +132,8 @@ def point(job: Job, config: NPUConfig = DEFAULT, design="register", table: Energ
                 array=f"{config.array_rows}x{config.array_cols}", counters=c.as_dict(),
                 energy_pj=e.as_dict(), energy_uj=e.total_pj * 1e-6, cycles=c.total_cycles,
                 seconds=sec, useful_flops=r.useful_flops, tile_pairs=r.tile_pairs,
-                mac_utilization=r.mac_utilization, achieved_tflops=r.achieved_flops / 1e12,
+                mac_utilization=r.mac_utilization, useful_utilization=r.useful_utilization,
+                achieved_tflops=r.achieved_flops / 1e12,
                 tops_per_w=r.useful_flops / e.total_j / 1e12 if e.total_j else 0.0,
                 power_w=e.total_j / sec if sec else 0.0)
 
@@ -200,6 +206,39 @@ def sweep_reg(seq=16384, progress=None) -> list[dict]:
     return rows
 
 
+def sweep_memory(seq=16384, progress=None) -> list[dict]:
+    """The S/P spill to each DRAM of ``energy.MEMORY_CLASSES``, its energy
+    paired with its bandwidth (bytes per cycle at ``DEFAULT.clock_hz``), and
+    leakage at each of ``LEAKAGE_FRACTIONS`` of the register-level design's
+    dynamic power on the same job (1 head, seq_q = seq_kv = ``seq``, d = 128).
+
+    Returns one dict per memory class: ``name``, ``pj_per_bit``,
+    ``gb_per_s``, ``bytes_per_cycle``, ``source``, the register-level and
+    baseline points with leakage excluded (``register``, ``baseline``) and
+    ``ratio_by_leak`` {fraction: baseline / register-level energy}.
+    """
+    job = Job(1, seq, seq, 128)
+    base_t = EnergyTable.for_config(DEFAULT)
+    reg = point(job, table=base_t)
+    leak = {f: f * reg["energy_pj"]["total"] / reg["cycles"] for f in LEAKAGE_FRACTIONS}
+    rows = []
+    for mc in MEMORY_CLASSES:
+        tm = Timing(offchip_bytes_per_cycle=mc.bytes_per_cycle(DEFAULT.clock_hz))
+        ratio = {}
+        for f, pj in leak.items():
+            t = base_t.replace(offchip_pj_per_bit=mc.pj_per_bit, leakage_pj_per_cycle=pj)
+            b = point(job, design="baseline", spill_level="offchip", table=t, timing=tm)
+            ratio[f] = b["energy_uj"] / point(job, table=t)["energy_uj"]
+            if f == 0:
+                baseline = b
+        rows.append(dict(name=mc.name, pj_per_bit=mc.pj_per_bit, gb_per_s=mc.gb_per_s,
+                         bytes_per_cycle=tm.offchip_bytes_per_cycle, source=mc.source, register=reg,
+                         baseline=baseline, ratio_by_leak=ratio, leak_pj_per_cycle=leak))
+        if progress:
+            progress.update(1)
+    return rows
+
+
 def roofline_points(progress=None) -> list[dict]:
     """Prefill and decode jobs placed against the roofs (useful FLOP per byte)."""
     jobs = [("prefill 4k, d128", Job(1, 4096, 4096, 128)),
@@ -214,7 +253,8 @@ def roofline_points(progress=None) -> list[dict]:
         out.append(dict(name=name, job=job.as_dict(), achieved_flops=p["achieved_tflops"] * 1e12,
                         ai_dram=p["useful_flops"] / max(1, c["dram_bytes"]),
                         ai_sram=p["useful_flops"] / max(1, c["sram_bytes"]),
-                        mac_utilization=p["mac_utilization"], point=p))
+                        mac_utilization=p["mac_utilization"],
+                        dram_bytes_per_cycle=c["dram_bytes"] / max(1, c["total_cycles"]), point=p))
         if progress:
             progress.update(1)
     return out
@@ -376,17 +416,20 @@ def _table(header, rows) -> str:
 
 def key_table(seq_rows) -> tuple[list, list]:
     header = ["seq_len", "register-level µJ", "baseline µJ", "energy ratio", "register cycles",
-              "baseline cycles", "speed-up", "register TOPS/W", "baseline TOPS/W", "MAC util.",
-              "masked MAC slots (skipped, not charged)"]
+              "baseline cycles", "speed-up", "register TOPS/W", "baseline TOPS/W", "MAC-slot util.",
+              "useful util.", "masked MAC slots (skipped, not charged)", "energy the MAC skip saves"]
     rows = []
+    mac_pj = EnergyTable.for_config(DEFAULT).mac_pj
     for r in seq_rows:
         a, b = r["register"], r["sram"]
         ca = a["counters"]
+        saved = ca["mac_masked"] * mac_pj
         rows.append([r["seq"], a["energy_uj"], b["energy_uj"], round(b["energy_uj"] / a["energy_uj"], 3),
                      a["cycles"], b["cycles"], round(b["cycles"] / a["cycles"], 3),
                      round(a["tops_per_w"], 3), round(b["tops_per_w"], 3),
-                     f"{100 * a['mac_utilization']:.1f} %",
-                     f"{100 * ca['mac_masked'] / max(1, ca['mac_ops']):.1f} %"])
+                     f"{100 * a['mac_utilization']:.1f} %", f"{100 * a['useful_utilization']:.1f} %",
+                     f"{100 * ca['mac_masked'] / max(1, ca['mac_ops']):.1f} %",
+                     f"{saved * 1e-6:,.0f} µJ ({100 * saved / (a['energy_pj']['total'] + saved):.1f} %)"])
     return header, rows
 
 
@@ -417,6 +460,95 @@ def _json_section(path: Path, producer: str) -> str:
         out.append("")
         out.append(_table(list(keys), [[r.get(k, "") for k in keys] for r in grp]))
     return "\n".join(out)
+
+
+def _load_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def memory_table(mem_rows) -> tuple[list, list]:
+    """Header and rows of the memory-class sweep (``sweep_memory``)."""
+    header = ["S/P spilled to", "pJ/bit", "GB/s", "B/cycle", "baseline cycles", "slow-down"] + \
+             [f"energy ratio, leakage {100 * f:.0f} %" for f in LEAKAGE_FRACTIONS]
+    rows = [[r["name"], round(r["pj_per_bit"], 2), r["gb_per_s"], round(r["bytes_per_cycle"], 1),
+             r["baseline"]["cycles"], round(r["baseline"]["cycles"] / r["register"]["cycles"], 2)]
+            + [round(r["ratio_by_leak"][f], 2) for f in LEAKAGE_FRACTIONS] for r in mem_rows]
+    return header, rows
+
+
+def memory_section(res: dict) -> list[str]:
+    cfg = DEFAULT
+    mem = res["memory"]
+    h, rr = memory_table(mem)
+    holds = [r["name"] for r in mem if r["ratio_by_leak"][0.0] >= 2.0]
+    below = [r["name"] for r in mem if r["ratio_by_leak"][0.0] < 2.0]
+    L = [f"### The off-chip spill, each DRAM with its own bandwidth (seq_len {res['tsv_seq']}, d = 128)\n",
+         "The baseline spills S/P to one DRAM part, charged at that part's energy per bit and moved at "
+         f"its bandwidth (bytes per cycle at the assumed {cfg.clock_hz / 1e9:g} GHz; the array drains at most "
+         f"{cfg.array_cols * 4} B/cycle, one FP32 per PE column); the register-level design never spills. "
+         "Leakage (with the clock tree) is priced at a fraction of the register-level design's dynamic "
+         "power on this job and charged per cycle to both designs: 0 % is the default, which excludes it "
+         "(ASSUMPTION; no public figure exists for this design).\n",
+         _table(h, rr) + "\n",
+         "Sources: " + "; ".join(f"{r['name']}: {r['source']}" for r in mem) + ".\n",
+         ("Without leakage the 2x ratio is reached only by " + ", ".join(holds) if holds
+          else "Without leakage no memory class reaches a 2x ratio")
+         + (f"; below it: {', '.join(below)}" if below else "")
+         + ". A slow part costs the baseline cycles as well as energy, so leakage widens the gap as the "
+           "bandwidth falls.\n"]
+    return L
+
+
+def clock_section(out: Path, res: dict) -> list[str]:
+    """The report's "Clock and timing evidence" section: the assumed clock,
+    and what ``DIR/fpga.json`` (``flashnpu fpga``) and ``DIR/depth.json``
+    (``flashnpu depth``) measured; a missing file is said to be missing."""
+    cfg = DEFAULT
+    L = ["## Clock and timing evidence\n",
+         f"Every figure in this report is first a cycle count. Times, FLOP/s, GB/s, W and the "
+         f"bytes-per-cycle of the memory sweep convert cycles at the configured clock, "
+         f"{cfg.clock_hz / 1e9:g} GHz, which is an ASSUMPTION (an ASIC design point that no timing "
+         "result here supports). The timing evidence there is:\n"]
+    fp = _load_json(out / "fpga.json")
+    routed = [r for r in (fp or {}).get("runs", []) if r.get("pnr", {}).get("fmax_mhz")]
+    if routed:
+        best = max(routed, key=lambda r: r["rows"] * r["cols"])
+        f_mhz = best["pnr"]["fmax_mhz"]
+        L.append(f"- ECP5 ({best.get('part', '?')}): `{fp.get('command', 'flashnpu fpga').split(' ; ')[0]}` "
+                 f"placed and routed the {best['size']} {best['top']} at **{f_mhz:g} MHz** "
+                 f"({best['pnr'].get('critical_path', '')}; seed {fp.get('seed')}; {fp.get('tools', '')}), "
+                 f"read from `{(out / 'fpga.json').as_posix()}`. The largest core that fits the part is what "
+                 "was routed; the 32x32 array does not fit it.")
+    else:
+        f_mhz = None
+        L.append(f"- ECP5: _not measured yet_ (no routed run in `{(out / 'fpga.json').as_posix()}`; "
+                 "`flashnpu fpga` writes it).")
+    dp = _load_json(out / "depth.json")
+    if dp and dp.get("blocks"):
+        blocks = ", ".join(f"{b['block'].removeprefix('flashnpu_')} {b['levels']}" for b in dp["blocks"])
+        L.append(f"- Logic depth: `{dp.get('command', 'flashnpu depth')}`, longest register-to-register path "
+                 f"in generic gate levels per block: {blocks} (budget {dp.get('target_levels')}), read from "
+                 f"`{(out / 'depth.json').as_posix()}`.")
+    else:
+        L.append(f"- Logic depth: _not measured yet_ (no `{(out / 'depth.json').as_posix()}`; "
+                 "`flashnpu depth` writes it).")
+    ref = res["roofline"][0]
+    rows = [[f"{cfg.clock_hz / 1e6:,.0f} MHz", "ASSUMPTION (design point)", cfg.clock_hz]]
+    if f_mhz:
+        rows.append([f"{f_mhz:g} MHz", "routed on the ECP5 (above)", f_mhz * 1e6])
+    L.append("")
+    L.append(f"The same cycle counts at each clock (32x32 array, {ref['name']}: "
+             f"{ref['point']['cycles']:,} cycles, useful utilization "
+             f"{100 * ref['point']['useful_utilization']:.1f} %):\n")
+    L.append(_table(["clock", "evidence", "peak TFLOP/s", "job time (ms)", "useful TFLOP/s"],
+                    [[name, ev, round(2 * cfg.macs_per_cycle * hz / 1e12, 4),
+                      round(1e3 * ref["point"]["cycles"] / hz, 4),
+                      round(ref["point"]["useful_flops"] * hz / ref["point"]["cycles"] / 1e12, 4)]
+                     for name, ev, hz in rows]) + "\n")
+    return L
 
 
 def _savefig(fig, path: Path) -> None:
@@ -578,7 +710,8 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
              "(`flashnpu.scripts.perf_model`), energies from `flashnpu.scripts.energy`; "
              "see the validation section for how far the model is from the RTL counters.\n")
     L.append(f"Configuration: {cfg.array_rows}x{cfg.array_cols} PEs, Br = {cfg.br}, Bc = {cfg.bc}, "
-             f"{cfg.clock_hz / 1e9:g} GHz, {cfg.sram_bytes >> 20} MiB SRAM in {cfg.sram_banks} banks, "
+             f"{cfg.clock_hz / 1e9:g} GHz (ASSUMPTION, see \"Clock and timing evidence\"), "
+             f"{cfg.sram_bytes >> 20} MiB SRAM in {cfg.sram_banks} banks, "
              f"DRAM {cfg.dram_bytes_per_cycle} B/cycle.\n")
     L.append("## Register-level vs SRAM-spill baseline (1 head, seq_q = seq_kv, d = 128, non-causal)\n")
     L.append("The baseline is the same array and memories, but after Q·Kᵀ the S tile (FP32) is written to "
@@ -623,6 +756,7 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
              "(up to seq_len 4096 at d = 128). The default follows the RTL: resident only while a KV head's "
              f"kv tiles fit the NPU's {cfg.kv_slots} SRAM slots (seq_len <= {cfg.kv_slots * cfg.bc} here), else "
              "loaded once per q tile.\n")
+    L += memory_section(res)
     if res.get("seq_causal"):
         h, rr = key_table(res["seq_causal"])
         L.append("Causal (bottom-right aligned, fully masked kv tiles skipped):\n")
@@ -634,6 +768,7 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
                     [[t] + [round(seq[-1][d]["energy_pj"][t] * 1e-6, 3) for d in designs] for t in TERMS]
                     + [["total"] + [round(seq[-1][d]["energy_uj"], 3) for d in designs]]) + "\n")
 
+    L += clock_section(out, res)
     L.append("## Model timing\n")
     L.append(_table(["phase", "cycles (d = 128)", "per", "source"],
                     [["S = Q·Kᵀ", 128 * cfg.rows_per_pe * cfg.cols_per_pe, "tile pair",
@@ -675,12 +810,20 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
              f"DRAM {rf['dram_bw'] / 1e9:.0f} GB/s; ridge points "
              f"{rf['compute_flops'] / rf['sram_bw']:.1f} (SRAM) and {rf['compute_flops'] / rf['dram_bw']:.1f} "
              "(DRAM) FLOP/byte.\n")
-    L.append(_table(["job", "FLOP/DRAM byte", "FLOP/SRAM byte", "achieved TFLOP/s", "% of compute roof",
-                     "% of DRAM roof at this intensity", "MAC-slot utilization"],
+    L.append(f"Useful FLOP/s count 2 FLOP per MAC of visible query-key pairs, at the assumed "
+             f"{cfg.clock_hz / 1e9:g} GHz (see \"Clock and timing evidence\"). Slot utilization counts the "
+             "MAC slots issued, useful utilization only the useful MACs, both over R x C x cycles. "
+             f"The DRAM column is bytes per cycle over the {cfg.dram_bytes_per_cycle} B/cycle of the RTL's "
+             f"{cfg.dram_channels} DRAM channels, clock-free.\n")
+    L.append(_table(["job", "FLOP/DRAM byte", "FLOP/SRAM byte", "useful TFLOP/s", "% of compute roof",
+                     "% of the compute/DRAM roof at this intensity", "DRAM B/cycle (% of the channels' roof)",
+                     "MAC-slot util.", "useful util."],
                     [[p["name"], round(p["ai_dram"], 2), round(p["ai_sram"], 2), round(p["achieved_flops"] / 1e12, 4),
                       f"{100 * p['achieved_flops'] / rf['compute_flops']:.1f} %",
                       f"{100 * p['achieved_flops'] / min(rf['compute_flops'], p['ai_dram'] * rf['dram_bw']):.1f} %",
-                      f"{100 * p['mac_utilization']:.1f} %"] for p in res["roofline"]]) + "\n")
+                      f"{p['dram_bytes_per_cycle']:.1f} ({100 * p['dram_bytes_per_cycle'] / cfg.dram_bytes_per_cycle:.1f} %)",
+                      f"{100 * p['mac_utilization']:.1f} %", f"{100 * p['point']['useful_utilization']:.1f} %"]
+                     for p in res["roofline"]]) + "\n")
     L.append("![roofline](roofline.png)\n")
     L.append("Prefill sits far right of every ridge; what it loses to the compute roof is the core's own "
              f"phases: the softmax ({tmr.softmax_cycles(cfg, 128)} cycles per pair, from the "
@@ -700,17 +843,20 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
 
     L.append("## Scaling\n")
     L.append(f"head_dim (seq_len {res['scaling_seq']}, 1 head):\n")
-    L.append(_table(["head_dim", "cycles", "energy µJ", "baseline/register energy", "MAC util.", "TOPS/W"],
+    L.append(_table(["head_dim", "cycles", "energy µJ", "baseline/register energy", "MAC-slot util.",
+                     "useful util.", "TOPS/W"],
                     [[r["head_dim"], r["register"]["cycles"], round(r["register"]["energy_uj"], 2),
                       round(r["sram"]["energy_uj"] / r["register"]["energy_uj"], 3),
-                      f"{100 * r['register']['mac_utilization']:.1f} %", round(r["register"]["tops_per_w"], 3)]
+                      f"{100 * r['register']['mac_utilization']:.1f} %",
+                      f"{100 * r['register']['useful_utilization']:.1f} %", round(r["register"]["tops_per_w"], 3)]
                      for r in res["head_dim"]]) + "\n")
     L.append(f"Array size N x N with Br = Bc = 2N (seq_len {res['scaling_seq']}, d = 128, same memories):\n")
-    L.append(_table(["array", "cycles", "energy µJ", "baseline/register energy", "MAC util.", "TOPS/W",
-                     "DMA stall cycles"],
+    L.append(_table(["array", "cycles", "energy µJ", "baseline/register energy", "MAC-slot util.",
+                     "useful util.", "TOPS/W", "DMA stall cycles"],
                     [[f"{r['array']}x{r['array']}", r["register"]["cycles"], round(r["register"]["energy_uj"], 2),
                       round(r["sram"]["energy_uj"] / r["register"]["energy_uj"], 3),
-                      f"{100 * r['register']['mac_utilization']:.1f} %", round(r["register"]["tops_per_w"], 3),
+                      f"{100 * r['register']['mac_utilization']:.1f} %",
+                      f"{100 * r['register']['useful_utilization']:.1f} %", round(r["register"]["tops_per_w"], 3),
                       r["register"]["counters"]["dma_stall_cycles"]] for r in res["array"]]) + "\n")
     L.append("Cycles grow as seq_len² (every q tile sweeps every kv tile) and linearly in head_dim; "
              "energy follows the MAC count. A larger array shortens the job in proportion to its PE count "
@@ -747,7 +893,8 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
              "are valid; O is written back in FP32; the RTL's `reg_bytes` counter counts only MAC accumulator "
              "and exp2 accesses, the energy model adds the rest of the register traffic; the baseline's S/P "
              "drain and reload go at one FP32 per PE column per cycle and are not overlapped with MACs; "
-             "leakage is not modelled.\n")
+             "leakage is excluded except in the memory-class sweep, which prices it as a fraction of the "
+             "dynamic power.\n")
 
     L.append("## Validation against RTL counters\n")
     L.append(_json_section(out / "rtl_validation.json",
@@ -766,13 +913,63 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
     return write_text(out / "report.md", "\n".join(L))
 
 
+#: seq_len rows of the README's energy table
+README_SEQS = (512, 2048, 8192, 16384)
+
+
+def _readme_energy(res: dict) -> str:
+    rows = [r for r in res["seq"] if r["seq"] in README_SEQS] or res["seq"]
+    return _table(["seq_len", "register-level µJ", "S-spill baseline µJ", "energy ratio", "register-level cycles",
+                   "MAC-slot util.", "useful util."],
+                  [[r["seq"], r["register"]["energy_uj"], r["sram"]["energy_uj"],
+                    round(r["sram"]["energy_uj"] / r["register"]["energy_uj"], 3), r["register"]["cycles"],
+                    f"{100 * r['register']['mac_utilization']:.1f} %",
+                    f"{100 * r['register']['useful_utilization']:.1f} %"] for r in rows])
+
+
+def _readme_memory(res: dict) -> str:
+    return _table(*memory_table(res["memory"]))
+
+
+#: README blocks ``flashnpu bench --readme`` rewrites: the lines between
+#: ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->``
+README_BLOCKS = {"energy": _readme_energy, "memory": _readme_memory}
+
+
+def _readme_spans(text: str, path) -> dict:
+    """{block name: (start, end)} of the text between each block's markers."""
+    spans = {}
+    for name in README_BLOCKS:
+        a, b = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+        i, j = text.find(a), text.find(b)
+        if i < 0 or j < i:
+            raise UsageError(f"--readme {str(path)!r}: no '{a}' ... '{b}' block")
+        spans[name] = (i + len(a), j)
+    return spans
+
+
+def check_readme(path) -> Path:
+    """Check ``--readme`` before any work: a readable file with every block's markers."""
+    p = input_file(path, "--readme")
+    _readme_spans(p.read_text(), path)
+    return p
+
+
+def update_readme(path: Path, res: dict) -> None:
+    """Rewrite every ``README_BLOCKS`` table of ``path`` from ``res`` (written whole)."""
+    text = path.read_text()
+    for name, (i, j) in sorted(_readme_spans(text, path).items(), key=lambda kv: -kv[1][0]):
+        text = text[:i] + "\n" + README_BLOCKS[name](res) + "\n" + text[j:]
+    write_text(path, text)
+
+
 def run(out: Path, quick: bool = False, show_progress: bool = True) -> dict:
     """Run every sweep, write the plots, the report and bench.json; return the results."""
     out.mkdir(parents=True, exist_ok=True)
     seqs = SEQS_QUICK if quick else SEQS
     scaling_seq = 1024 if quick else 4096
     tsv_seq = seqs[-1]
-    n = 2 * len(seqs) + len(HEAD_DIMS) + len(ARRAYS) + len(TSV_PJ) + len(REG_SCALE) + 5
+    n = 2 * len(seqs) + len(HEAD_DIMS) + len(ARRAYS) + len(TSV_PJ) + len(REG_SCALE) + len(MEMORY_CLASSES) + 5
     with tqdm(total=n, desc="bench", unit="point", disable=not show_progress, file=sys.stderr) as bar:
         res = dict(quick=quick, when=_dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                    config=DEFAULT.to_dict(), roofs=roofs(DEFAULT), scaling_seq=scaling_seq, tsv_seq=tsv_seq)
@@ -782,6 +979,7 @@ def run(out: Path, quick: bool = False, show_progress: bool = True) -> dict:
         res["array"] = sweep_array(scaling_seq, progress=bar)
         res["tsv"] = sweep_tsv(tsv_seq, progress=bar)
         res["reg"] = sweep_reg(tsv_seq, progress=bar)
+        res["memory"] = sweep_memory(tsv_seq, progress=bar)
         res["roofline"] = roofline_points(progress=bar)
     files = write_plots(out, res)
     write_text(out / "bench.json", json.dumps(res, indent=1, default=float))
@@ -791,6 +989,7 @@ def run(out: Path, quick: bool = False, show_progress: bool = True) -> dict:
 
 def main(args) -> int:
     out = output_dir(args.out, "--out")
+    readme = check_readme(args.readme) if args.readme else None
     out.mkdir(parents=True, exist_ok=True)
     if args.validate_rtl:
         try:
@@ -807,5 +1006,7 @@ def main(args) -> int:
     print(_table(header, rows))
     print()
     print("\n".join(verdict(res["seq"])))
-    print(f"\nreport: {(out / 'report.md').as_posix()}")
+    if readme:
+        update_readme(readme, res)
+    print(f"\nreport: {(out / 'report.md').as_posix()}" + (f", tables in {readme.as_posix()}" if readme else ""))
     return 0

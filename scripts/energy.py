@@ -16,8 +16,11 @@ Every figure below is a *dynamic* energy at the 45 nm node unless stated; the
 memory-level figures come from different technologies and are mixed on
 purpose, as the public literature offers them (ASSUMPTION: they are
 comparable to within the factor of about two that separates 45 nm logic from a
-modern DRAM stack).  Leakage and clock-tree energy are not modelled
-(ASSUMPTION), so a design that takes more cycles is not charged for them.
+modern DRAM stack).  Leakage and clock-tree energy are excluded by default
+(``leakage_pj_per_cycle = 0``, ASSUMPTION), so a design that takes more
+cycles is not charged for them; ``flashnpu bench`` prices them as a fraction
+of the register-level design's dynamic power (``LEAKAGE_FRACTIONS``) and
+shows how the comparison moves.
 
 =======================  =============  =====================================
 item                     default        source
@@ -84,7 +87,8 @@ from dataclasses import dataclass, field
 from flashnpu.config import DEFAULT, NPUConfig
 
 __all__ = ["HOROWITZ_SRAM_64B", "sram_pj_per_64b", "sram_pj_per_bit", "EnergyTable",
-           "EnergyBreakdown", "energy_of", "SOURCES"]
+           "EnergyBreakdown", "energy_of", "SOURCES", "MemoryClass", "MEMORY_CLASSES",
+           "LEAKAGE_FRACTIONS"]
 
 # (capacity in bytes, pJ per 64-bit read): Horowitz, ISSCC 2014, 45 nm.
 HOROWITZ_SRAM_64B = ((8 * 1024, 10.0), (32 * 1024, 20.0), (1024 * 1024, 100.0))
@@ -106,7 +110,55 @@ SOURCES = {
     "dram_pj_per_bit": "O'Connor et al., MICRO 2017 (Fine-Grained DRAM): HBM2 ~3.9 pJ/bit",
     "tsv_pj_per_bit": "ASSUMPTION: C*V^2, C ~ 50 fF, V = 1 V (swept in the report)",
     "offchip_pj_per_bit": "Horowitz, ISSCC 2014: DRAM 1.3-2.6 nJ per 64 bit, low end",
+    "leakage_pj_per_cycle": "ASSUMPTION: excluded (0); the report sweeps LEAKAGE_FRACTIONS",
 }
+
+
+@dataclass(frozen=True)
+class MemoryClass:
+    """A DRAM an S/P spill could go to: its energy paired with its bandwidth.
+
+    Attributes
+    ----------
+    name : str
+    pj_per_bit : float
+        Access energy, pJ per bit (device plus interface).
+    gb_per_s : float
+        Peak bandwidth of the interface, GB/s (1e9 bytes per second).
+    source : str
+        Where both figures come from.
+    """
+
+    name: str
+    pj_per_bit: float
+    gb_per_s: float
+    source: str
+
+    def bytes_per_cycle(self, clock_hz: float) -> float:
+        """Bandwidth in bytes per NPU cycle at ``clock_hz``."""
+        return self.gb_per_s * 1e9 / clock_hz
+
+
+#: From HBM-class to off-chip DRAM, each energy with the bandwidth of the same
+#: part, for the spill baseline's sweep in ``flashnpu bench``.
+MEMORY_CLASSES = (
+    MemoryClass("HBM2 stack", 3.9, 256.0,
+                "O'Connor et al., MICRO 2017: HBM2 ~3.9 pJ/bit; JESD235: 1024 bits x 2 Gb/s"),
+    MemoryClass("HBM2E stack", 6.0, 410.0,
+                "Micron, ultra-bandwidth solutions table: HBM2E 6.0 pJ/bit average device power, "
+                "410 GB/s per placement (JESD235C: 1024 bits x 3.2 Gb/s)"),
+    MemoryClass("GDDR6 device", 7.5, 56.0,
+                "Micron, ultra-bandwidth solutions table: GDDR6 7.5 pJ/bit, x32 at 14 Gb/s = 56 GB/s"),
+    MemoryClass("GDDR5 device", 1e12 / (10.5e9 * 8), 28.0,
+                "AMD HBM introduction (2015): GDDR5 10.5 GB/s per W (11.9 pJ/bit), x32 at 7 Gb/s = 28 GB/s"),
+    MemoryClass("DDR3-1600 channel", 1300.0 / 64.0, 12.8,
+                "Horowitz, ISSCC 2014: DRAM 1.3 nJ per 64 bit; JESD79-3: DDR3-1600 x64 = 12.8 GB/s"),
+)
+
+#: Leakage (and clock tree) priced as these fractions of the register-level
+#: design's dynamic power on the same job.  ASSUMPTION: no public figure for
+#: this design; 45 nm logic commonly leaks tens of per cent of its power.
+LEAKAGE_FRACTIONS = (0.0, 0.1, 0.3)
 
 
 def sram_pj_per_64b(capacity_bytes: float) -> float:
@@ -168,6 +220,9 @@ class EnergyTable:
     sram_crosses_tsv : bool
         Charge every SRAM byte one TSV crossing as well (default False: the
         RTL has no link between SRAM and logic, see the module docstring).
+    leakage_pj_per_cycle : float
+        Static (leakage and clock-tree) energy per NPU cycle, pJ; charged on
+        ``total_cycles``.  Default 0: excluded (ASSUMPTION).
     """
 
     reg_pj_per_bit: float = _REG_PJ_PER_BIT
@@ -183,6 +238,7 @@ class EnergyTable:
     cmp_pj: float = 0.9
     operand_pj_per_bit: float = _REG_PJ_PER_BIT
     sram_crosses_tsv: bool = False
+    leakage_pj_per_cycle: float = 0.0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -211,7 +267,7 @@ class EnergyTable:
 
 
 #: Order of the terms in an ``EnergyBreakdown`` (plots stack them in this order).
-TERMS = ("mac", "softmax_ops", "register", "operand", "sram", "sram_tsv", "tsv", "dram", "offchip")
+TERMS = ("mac", "softmax_ops", "register", "operand", "sram", "sram_tsv", "tsv", "dram", "offchip", "leakage")
 
 
 @dataclass
@@ -222,7 +278,8 @@ class EnergyBreakdown:
     add/compare, exp2, reciprocal outside the MACs), ``register``,
     ``operand`` (operand movement across the array), ``sram``,
     ``sram_tsv`` (die crossing of SRAM traffic), ``tsv`` (DRAM <-> logic
-    crossings), ``dram`` (stacked), ``offchip`` (off-chip DRAM).
+    crossings), ``dram`` (stacked), ``offchip`` (off-chip DRAM),
+    ``leakage`` (static energy over the job's cycles).
     """
 
     terms: dict = field(default_factory=dict)
@@ -251,7 +308,8 @@ def energy_of(counters, ops, table: EnergyTable | None = None) -> EnergyBreakdow
         ``reg_bytes``, ``sram_bytes``, ``tsv_bytes``, ``dram_bytes``,
         ``offchip_bytes`` (bytes) and ``mac_ops``, ``exp2_ops``,
         ``recip_ops`` (ops); ``mac_masked`` (optional): MAC slots skipped at
-        masked positions, not charged (only the MACs that ran cost energy).
+        masked positions, not charged (only the MACs that ran cost energy);
+        ``total_cycles`` (cycles), read only when the table charges leakage.
     ops : perf_model.OpDetail (or any object with ``fp32_mul``, ``fp32_add``
         and ``operand_bytes``)
         FP32 multiplies and adds/compares/subtracts outside the MACs (ops);
@@ -280,5 +338,6 @@ def energy_of(counters, ops, table: EnergyTable | None = None) -> EnergyBreakdow
         "tsv": 8 * c.tsv_bytes * t.tsv_pj_per_bit,
         "dram": 8 * c.dram_bytes * t.dram_pj_per_bit,
         "offchip": 8 * getattr(c, "offchip_bytes", 0) * t.offchip_pj_per_bit,
+        "leakage": c.total_cycles * t.leakage_pj_per_cycle if t.leakage_pj_per_cycle else 0.0,
     }
     return EnergyBreakdown({k: float(terms[k]) for k in TERMS})

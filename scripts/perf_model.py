@@ -83,6 +83,7 @@ import argparse
 import dataclasses
 import functools
 import importlib
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -300,9 +301,11 @@ class Timing:
     spill_bytes_per_cycle : int or None
         Baseline: bytes per cycle the array can drain to / load from the spill
         level (default C x 4, one FP32 per PE column per cycle).  ASSUMPTION.
-    offchip_bytes_per_cycle : int
+    offchip_bytes_per_cycle : float
         Off-chip DRAM bandwidth for the baseline's spills (64 B/cycle = 96
-        GB/s at 1.5 GHz, an LPDDR5X-class x64 interface).  ASSUMPTION.
+        GB/s at 1.5 GHz, an LPDDR5X-class x64 interface).  ASSUMPTION;
+        ``flashnpu bench`` pairs it with each memory class's pJ/bit
+        (``energy.MEMORY_CLASSES``).
     offchip_latency_cycles : int
         Off-chip DRAM read latency (150 cycles = 100 ns).  ASSUMPTION.
     """
@@ -331,7 +334,7 @@ class Timing:
     readout_bytes_per_cycle: int | None = None
     overlap_softmax: bool = False
     spill_bytes_per_cycle: int | None = None
-    offchip_bytes_per_cycle: int = 64
+    offchip_bytes_per_cycle: float = 64
     offchip_latency_cycles: int = 150
 
     def mac_gap(self, accumulators: int) -> int:
@@ -561,8 +564,13 @@ class ModelResult:
         return c.mac_ops / max(1, c.total_cycles * self.config.macs_per_cycle)
 
     @property
+    def useful_utilization(self) -> float:
+        """Useful MACs (2 x visible query-key pairs x head_dim) / (total cycles x R·C)."""
+        return self.useful_flops / (2 * max(1, self.counters.total_cycles * self.config.macs_per_cycle))
+
+    @property
     def achieved_flops(self) -> float:
-        """Useful FLOP/s."""
+        """Useful FLOP/s at ``config.clock_hz``."""
         return self.useful_flops / self.seconds if self.seconds else 0.0
 
 
@@ -805,7 +813,7 @@ def model(job: Job, config: NPUConfig = DEFAULT, design: str = "register", *,
         # S drained after Q·Kᵀ and reloaded for the softmax, P drained after
         # it and reloaded for P·V, each reload paying the level's read
         # latency.  ASSUMPTION: none of it overlaps the MAC stream.
-        spill_cyc_pair = 2 * (-(-s_bytes // bw)) + 2 * (-(-p_bytes // bw)) + 2 * lat
+        spill_cyc_pair = 2 * math.ceil(s_bytes / bw) + 2 * math.ceil(p_bytes / bw) + 2 * lat
 
     # --- DMA (DRAM -> TSV -> SRAM, and O back) ------------------------------------
     # Bus words: the DMA moves W bytes per cycle, the tile loader reads LW =

@@ -86,3 +86,21 @@ def test_one_tile_pair_energy_term_by_term():
     # K and V each travel down the 32 PEs of a column, Q and P along the 32 PEs of a row
     hops = 2 * (2 * 64 * 128 * 32 + 64 * 128 * 32 + 64 * 64 * 32)
     assert e["operand"] == pytest.approx(8 * hops * t.operand_pj_per_bit)
+
+
+def test_leakage_is_charged_per_cycle_and_excluded_by_default():
+    c = Counters(total_cycles=1000, mac_ops=10)
+    assert energy_of(c, OpDetail(), ROUND)["leakage"] == 0
+    e = energy_of(c, OpDetail(), ROUND.replace(leakage_pj_per_cycle=2.5))
+    assert e["leakage"] == pytest.approx(2500.0) and e.total_pj == pytest.approx(2520.0)
+    with pytest.raises(ValueError, match="leakage_pj_per_cycle"):
+        ROUND.replace(leakage_pj_per_cycle=-1.0)
+
+
+def test_memory_classes_pair_energy_with_bandwidth():
+    from flashnpu.scripts.energy import MEMORY_CLASSES
+    assert [m.pj_per_bit for m in MEMORY_CLASSES] == sorted(m.pj_per_bit for m in MEMORY_CLASSES)
+    hbm2, ddr3 = MEMORY_CLASSES[0], MEMORY_CLASSES[-1]
+    assert hbm2.bytes_per_cycle(1.5e9) == pytest.approx(256e9 / 1.5e9)
+    assert ddr3.pj_per_bit == EnergyTable().offchip_pj_per_bit      # Horowitz's DRAM figure
+    assert all(m.source for m in MEMORY_CLASSES)

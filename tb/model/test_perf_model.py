@@ -317,13 +317,94 @@ def test_model_holds_on_held_out_jobs():
     _assert_model_matches(bench.HELDOUT_JOBS, measured, cfg, HELDOUT_TOLERANCE)
 
 
-def test_bench_report(tmp_path):
-    res = bench.run(tmp_path, quick=True, show_progress=False)
+@pytest.fixture(scope="module")
+def quick_bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    return out, bench.run(out, quick=True, show_progress=False)
+
+
+def _points(tree):
+    """Every model point (a dict with counters and cycles) anywhere in a bench result."""
+    if isinstance(tree, dict):
+        if "counters" in tree and "cycles" in tree:
+            yield tree
+        for v in tree.values():
+            yield from _points(v)
+    elif isinstance(tree, list):
+        for v in tree:
+            yield from _points(v)
+
+
+def test_no_bench_figure_exceeds_its_roof(quick_bench):
+    """Every point of the report: useful MACs <= MACs run <= R x C x cycles,
+    useful FLOP/s <= peak, and no level moves more bytes per cycle than its
+    ports (SRAM banks, DRAM channels, the off-chip spill's bandwidth)."""
+    _, res = quick_bench
+    pts = list(_points(res))
+    assert len(pts) > 50
+    for p in pts:
+        rows, cols = map(int, p["array"].split("x"))
+        c, cyc = p["counters"], p["cycles"]
+        slots = rows * cols * cyc
+        useful_macs = p["useful_flops"] // 2
+        assert useful_macs <= c["mac_ops"] - c["mac_masked"] <= c["mac_ops"] <= slots, p["job"]
+        assert 0 < p["useful_utilization"] <= p["mac_utilization"] <= 1, p["job"]
+        assert p["achieved_tflops"] * 1e12 <= 2 * rows * cols * DEFAULT.clock_hz * (1 + 1e-12), p["job"]
+        assert c["dram_bytes"] <= DEFAULT.dram_bytes_per_cycle * cyc, p["job"]
+        assert c["sram_bytes"] <= DEFAULT.sram_banks * DEFAULT.sram_bank_bytes * cyc, p["job"]
+    for r in res["memory"]:
+        b = r["baseline"]
+        assert b["counters"]["offchip_bytes"] <= r["bytes_per_cycle"] * b["counters"]["spill_cycles"], r["name"]
+    for p in res["roofline"]:
+        assert p["achieved_flops"] <= res["roofs"]["compute_flops"]
+        assert p["dram_bytes_per_cycle"] <= DEFAULT.dram_bytes_per_cycle
+
+
+def test_bench_rewrites_only_the_readme_blocks(tmp_path, quick_bench):
+    _, res = quick_bench
+    readme = tmp_path / "README.md"
+    text = "intro\n<!-- bench:energy -->\nold\n<!-- /bench:energy -->\nmiddle\n" \
+           "<!-- bench:memory -->\n<!-- /bench:memory -->\nend\n"
+    readme.write_text(text)
+    bench.update_readme(bench.check_readme(readme), res)
+    new = readme.read_text()
+    assert "old" not in new and new.startswith("intro\n") and "\nmiddle\n" in new and new.endswith("end\n")
+    assert bench._readme_energy(res) in new and bench._readme_memory(res) in new
+    assert "| 512 |" in new and "| DDR3-1600 channel |" in new
+    bench.update_readme(readme, res)
+    assert readme.read_text() == new                               # idempotent
+
+
+def test_bench_rejects_a_readme_without_its_blocks(tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- bench:energy -->\n<!-- /bench:energy -->\n")
+    out = tmp_path / "out"
+    assert main(["bench", "--out", str(out), "--readme", str(readme)]) == 2
+    err = capsys.readouterr().err
+    assert "bench:memory" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()                                        # checked before any work
+
+
+def test_the_readme_tables_are_the_bench_output():
+    """README.md's bench blocks are what `make bench` writes from the model
+    today (a stale table fails here)."""
+    from pathlib import Path
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    res = dict(seq=bench.sweep_seq(bench.README_SEQS), memory=bench.sweep_memory(bench.SEQS[-1]))
+    text = readme.read_text()
+    for name, (i, j) in bench._readme_spans(text, readme).items():
+        assert text[i:j].strip() == bench.README_BLOCKS[name](res).strip(), name
+
+
+def test_bench_report(quick_bench):
+    tmp_path, res = quick_bench
     report = (tmp_path / "report.md").read_text()
     for png in ("energy_vs_seq.png", "energy_breakdown.png", "roofline.png", "scaling.png",
                 "tsv_sensitivity.png"):
         assert (tmp_path / png).stat().st_size > 1000
-    assert report.count("not measured yet") == 3
+    # sim speed, decode, validation, and the clock section's fpga and depth evidence
+    assert report.count("not measured yet") == 5
+    assert "1.5 GHz, which is an ASSUMPTION" in report
     # the key table carries the model's numbers
     first = res["seq"][0]
     ratio = first["sram"]["energy_uj"] / first["register"]["energy_uj"]
@@ -332,9 +413,15 @@ def test_bench_report(tmp_path):
     # a measurement file written by another script shows up, nothing else invented
     (tmp_path / "sim_speed.json").write_text(json.dumps(
         {"rows": [{"simulator": "verilator", "array": "32x32", "cycles_per_s": 12345}]}))
+    (tmp_path / "fpga.json").write_text(json.dumps(
+        {"command": "flashnpu fpga --rows 2 --cols 2", "seed": 1, "runs": [
+            {"size": "2x2", "rows": 2, "cols": 2, "top": "core", "pnr": {"fmax_mhz": 51.09}}]}))
     bench.write_report(tmp_path, res, [])
     report = (tmp_path / "report.md").read_text()
-    assert report.count("not measured yet") == 2 and "12,345" in report
+    assert report.count("not measured yet") == 3 and "12,345" in report
+    assert "**51.09 MHz**" in report and "| 51.09 MHz | routed on the ECP5 (above) | 0.105 |" in report
+    for f in ("sim_speed.json", "fpga.json"):
+        (tmp_path / f).unlink()
 
 
 def test_bench_cli_rejects_a_file_as_out(tmp_path):
