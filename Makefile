@@ -31,19 +31,20 @@ X_SEED    ?=
 CAUSAL_FLAG := $(if $(filter 1 yes true,$(CAUSAL)),--causal,--no-causal)
 WAVES_FLAG  := $(if $(filter 1 yes true,$(WAVES)),--waves build/waves/sim.vcd,)
 
-.PHONY: help venv lint sim test test-all verilog fpga depth waves decode bench regress clean
+.PHONY: help venv lint sim test test-all verilog fpga depth waves decode bench bench-all regress clean
 
 help:
 	@echo "make sim      RTL simulation of an attention job, checked against the golden model"
 	@echo "make lint     ruff (rules in pyproject.toml) over every Python file"
-	@echo "make test     the default test suite (about 14 min on 2 cores from a fresh clone)"
+	@echo "make test     the default test suite (about 20 min on 2 cores from a fresh clone)"
 	@echo "make test-all every test, including the slow ones"
 	@echo "make verilog  Verilog of the NPU (ROWS= COLS=)"
 	@echo "make fpga     synthesis and place-and-route report"
 	@echo "make depth    logic depth (gate levels) of every block: results/depth.md"
 	@echo "make waves    list the signals of the last WAVES=1 run"
 	@echo "make decode   LLM decode through the NPU (PROMPT= MAX_NEW_TOKENS= DECODE_BACKEND=golden|rtl ROWS= COLS=)"
-	@echo "make bench    performance and energy report into results/"
+	@echo "make bench    performance and energy report into results/ and the README's bench tables"
+	@echo "make bench-all every RTL measurement behind results/ (about an hour: 32x32 builds), then make bench"
 	@echo "make regress  random-job regression with coverage (REGRESS_JOBS= SEED= ROWS= COLS= WORKERS= ADDRESS= X_SEED=)"
 
 $(STAMP): pyproject.toml
@@ -88,6 +89,16 @@ decode: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/flashnpu bench --out results --readme README.md
+
+# the RTL measurements the report and README read (results/*.json), one after
+# the other (one 32x32 Verilator build at a time); the ECP5 run is `make fpga`
+bench-all: $(STAMP)
+	$(BIN)/python -m flashnpu.scripts.bench_core
+	$(BIN)/python -m flashnpu.scripts.bench_npu
+	$(BIN)/python -m flashnpu.scripts.bench_dma
+	$(BIN)/python -m flashnpu.scripts.bench_speed --full --x-unique
+	$(BIN)/flashnpu depth --out results
+	$(BIN)/flashnpu bench --out results --readme README.md --validate-rtl --validate-arrays 8x8,4x4,32x32
 
 regress: $(STAMP)
 	$(BIN)/flashnpu regress --jobs $(REGRESS_JOBS) --seed $(SEED) --rows $(ROWS) --cols $(COLS) \
