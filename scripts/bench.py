@@ -821,7 +821,8 @@ def write_report(out: Path, res: dict, files: list[str]) -> Path:
                     [[p["name"], round(p["ai_dram"], 2), round(p["ai_sram"], 2), round(p["achieved_flops"] / 1e12, 4),
                       f"{100 * p['achieved_flops'] / rf['compute_flops']:.1f} %",
                       f"{100 * p['achieved_flops'] / min(rf['compute_flops'], p['ai_dram'] * rf['dram_bw']):.1f} %",
-                      f"{p['dram_bytes_per_cycle']:.1f} ({100 * p['dram_bytes_per_cycle'] / cfg.dram_bytes_per_cycle:.1f} %)",
+                      f"{p['dram_bytes_per_cycle']:.1f} "
+                      f"({100 * p['dram_bytes_per_cycle'] / cfg.dram_bytes_per_cycle:.1f} %)",
                       f"{100 * p['mac_utilization']:.1f} %", f"{100 * p['point']['useful_utilization']:.1f} %"]
                      for p in res["roofline"]]) + "\n")
     L.append("![roofline](roofline.png)\n")
