@@ -156,8 +156,8 @@ MEMORY_CLASSES = (
 )
 
 #: Leakage (and clock tree) priced as these fractions of the register-level
-#: design's dynamic power on the same job.  ASSUMPTION: no public figure for
-#: this design; 45 nm logic commonly leaks tens of per cent of its power.
+#: design's dynamic power on the same job.  ASSUMPTION: there is no public
+#: figure for this design, so the sweep shows how far the comparison moves.
 LEAKAGE_FRACTIONS = (0.0, 0.1, 0.3)
 
 
