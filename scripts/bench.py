@@ -520,8 +520,8 @@ def clock_section(out: Path, res: dict) -> list[str]:
         L.append(f"- ECP5 ({best.get('part', '?')}): `{fp.get('command', 'flashnpu fpga').split(' ; ')[0]}` "
                  f"placed and routed the {best['size']} {best['top']} at **{f_mhz:g} MHz** "
                  f"({best['pnr'].get('critical_path', '')}; seed {fp.get('seed')}; {fp.get('tools', '')}), "
-                 f"read from `{(out / 'fpga.json').as_posix()}`. The largest core that fits the part is what "
-                 "was routed; the 32x32 array does not fit it.")
+                 f"read from `{(out / 'fpga.json').as_posix()}`: the largest core routed there "
+                 f"({len(routed)} routed size(s)); the 32x32 array does not fit the part.")
     else:
         f_mhz = None
         L.append(f"- ECP5: _not measured yet_ (no routed run in `{(out / 'fpga.json').as_posix()}`; "
