@@ -221,16 +221,16 @@ def sweep_memory(seq=16384, progress=None) -> list[dict]:
     base_t = EnergyTable.for_config(DEFAULT)
     reg = point(job, table=base_t)
     leak = {f: f * reg["energy_pj"]["total"] / reg["cycles"] for f in LEAKAGE_FRACTIONS}
+    # the register-level design never spills: its energy depends on the leakage only
+    reg_uj = {f: point(job, table=base_t.replace(leakage_pj_per_cycle=pj))["energy_uj"] for f, pj in leak.items()}
     rows = []
     for mc in MEMORY_CLASSES:
         tm = Timing(offchip_bytes_per_cycle=mc.bytes_per_cycle(DEFAULT.clock_hz))
-        ratio = {}
-        for f, pj in leak.items():
-            t = base_t.replace(offchip_pj_per_bit=mc.pj_per_bit, leakage_pj_per_cycle=pj)
-            b = point(job, design="baseline", spill_level="offchip", table=t, timing=tm)
-            ratio[f] = b["energy_uj"] / point(job, table=t)["energy_uj"]
-            if f == 0:
-                baseline = b
+        t = base_t.replace(offchip_pj_per_bit=mc.pj_per_bit)
+        baseline = point(job, design="baseline", spill_level="offchip", table=t, timing=tm)
+        ratio = {f: point(job, design="baseline", spill_level="offchip", timing=tm,
+                          table=t.replace(leakage_pj_per_cycle=pj))["energy_uj"] / reg_uj[f]
+                 for f, pj in leak.items()}
         rows.append(dict(name=mc.name, pj_per_bit=mc.pj_per_bit, gb_per_s=mc.gb_per_s,
                          bytes_per_cycle=tm.offchip_bytes_per_cycle, source=mc.source, register=reg,
                          baseline=baseline, ratio_by_leak=ratio, leak_pj_per_cycle=leak))
