@@ -517,9 +517,11 @@ def clock_section(out: Path, res: dict) -> list[str]:
     if routed:
         best = max(routed, key=lambda r: r["rows"] * r["cols"])
         f_mhz = best["pnr"]["fmax_mhz"]
-        L.append(f"- ECP5 ({best.get('part', '?')}): `{fp.get('command', 'flashnpu fpga').split(' ; ')[0]}` "
+        cmd = best.get("command") or fp.get("command", "flashnpu fpga").split(" ; ")[0]
+        seed = best.get("seed", fp.get("seed"))
+        L.append(f"- ECP5 ({best.get('part', '?')}): `{cmd}` "
                  f"placed and routed the {best['size']} {best['top']} at **{f_mhz:g} MHz** "
-                 f"({best['pnr'].get('critical_path', '')}; seed {fp.get('seed')}; {fp.get('tools', '')}), "
+                 f"({best['pnr'].get('critical_path', '')}; seed {seed}; {fp.get('tools', '')}), "
                  f"read from `{(out / 'fpga.json').as_posix()}`: the largest core routed there "
                  f"({len(routed)} routed size(s)); the 32x32 array does not fit the part.")
     else:

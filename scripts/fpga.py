@@ -653,7 +653,8 @@ def markdown(record: dict) -> str:
                 lines += ["", f"nextpnr utilisation, {r['size']}: " +
                           ", ".join(f"{k} {u[k]['used']:,}/{u[k]['available']:,}" for k in keys) +
                           (f"; critical path {p['critical_path']}" if p.get("critical_path") else "") +
-                          f". Fmax target {record.get('freq_mhz')} MHz, seed {record.get('seed')}."]
+                          f". Fmax target {r.get('freq_mhz', record.get('freq_mhz'))} MHz, "
+                          f"seed {r.get('seed', record.get('seed'))}."]
             if r.get("reason"):
                 lines += ["", f"{r['size']}: {r['reason'].splitlines()[0]}"]
     g = record.get("generic")
@@ -821,11 +822,14 @@ def _merge(paths: list[Path], out: Path) -> int:
             raise UsageError(f"cannot read run record {str(p)!r}: {e}") from None
     merged = dict(recs[0])
     merged["command"] = " ; ".join(r["command"] for r in recs)
+    merged["runs"] = []
     for r in recs:
-        if r.get("runs"):
-            for k in ("runs", "auto", "board", "freq_mhz", "seed", "top"):
-                if k in r:
-                    merged[k] = r[k]
+        for run in r.get("runs", []):      # every record's runs, each with its own seed and target
+            merged["runs"].append({"command": r["command"], "seed": r.get("seed"), "freq_mhz": r.get("freq_mhz"),
+                                   **run})
+        for k in ("auto", "board", "freq_mhz", "seed", "top"):
+            if r.get("runs") and k in r:
+                merged[k] = r[k]
         if r.get("generic"):
             merged["generic"] = r["generic"]
     merged["merged_from"] = [str(p) for p in paths]

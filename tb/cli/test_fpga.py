@@ -91,3 +91,24 @@ def test_auto_search_and_generic_stats(tmp_path):
     assert pe["memory"]["bits"] >= 64 * 32          # register file (+ the exp2 table ROM)
     assert g["total"] >= 8 * pe["num_cells"]
     assert "| `flashnpu_pe` | 8 |" in (tmp_path / "fpga.md").read_text()
+
+
+def test_merge_keeps_every_records_runs_with_their_seeds(tmp_path, capsys):
+    def record(size, seed, mhz):
+        rows, cols = map(int, size.split("x"))
+        run = {"size": size, "rows": rows, "cols": cols, "top": "core", "fits": True, "total": {"lut4": 1},
+               "pnr": {"fmax_mhz": mhz, "utilization": {"TRELLIS_COMB": {"used": 1, "available": 2}}}}
+        return {"command": f"flashnpu fpga --rows {rows} --cols {cols} --seed {seed}", "version": "0",
+                "tools": "t", "freq_mhz": 50.0, "seed": seed, "top": "core", "runs": [run]}
+    paths = []
+    for name, rec in (("a", record("2x2", 1, 51.09)), ("b", record("2x4", 3, 44.84))):
+        (tmp_path / name).mkdir()
+        paths.append(tmp_path / name / "fpga.json")
+        paths[-1].write_text(json.dumps(rec))
+    (tmp_path / "m").mkdir()
+    assert cli_main(["fpga", "--merge", *map(str, paths), "--out", str(tmp_path / "m")]) == 0
+    merged = json.loads((tmp_path / "m" / "fpga.json").read_text())
+    assert [(r["size"], r["seed"], r["pnr"]["fmax_mhz"]) for r in merged["runs"]] == [("2x2", 1, 51.09),
+                                                                                    ("2x4", 3, 44.84)]
+    md = (tmp_path / "m" / "fpga.md").read_text()
+    assert "Fmax target 50.0 MHz, seed 1." in md and "Fmax target 50.0 MHz, seed 3." in md
