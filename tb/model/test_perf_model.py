@@ -317,6 +317,19 @@ def test_model_holds_on_held_out_jobs():
     _assert_model_matches(bench.HELDOUT_JOBS, measured, cfg, HELDOUT_TOLERANCE)
 
 
+@pytest.mark.rtl
+# slow: the full 32x32 NPU build (about 6 min on 2 cores); runs in `make test-all`
+@pytest.mark.slow
+def test_model_holds_on_held_out_jobs_at_32x32():
+    """``bench.VALIDATION_JOBS_32`` (a prefill and a grouped-query decode job)
+    on the design-point NPU, which no timing constant was fitted on: the
+    same promise as at 8x8."""
+    if not runner.have_simulator("verilator"):
+        pytest.skip("Verilator is not installed")
+    measured = rtl_counters_many(bench.VALIDATION_JOBS_32, DEFAULT)
+    _assert_model_matches(bench.VALIDATION_JOBS_32, measured, DEFAULT, HELDOUT_TOLERANCE)
+
+
 @pytest.fixture(scope="module")
 def quick_bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
