@@ -22,7 +22,9 @@ capacity), d = head_dim.
 
 Grouped-query mapping: all H query heads of a layer travel in ONE job; the
 heads that share a kv head are stacked on the PE rows of a q tile (decode,
-seq_q = 1), and a K/V tile held in the NPU's SRAM serves the whole group.
+seq_q = 1, by the NPU's controller; a short query block, by ``pack_query_groups``
+before the job goes out), and a K/V tile held in the NPU's SRAM serves the
+whole group.
 ``job_bytes`` states the traffic model that follows from it; the golden
 backend reports that model (it has no clock), a hardware backend reports
 what its counters measured.
@@ -242,6 +244,42 @@ def job_bytes(job: AttentionJob, config: NPUConfig = DEFAULT) -> dict:
     )
 
 
+def pack_query_groups(job: AttentionJob, config: NPUConfig = DEFAULT) -> AttentionJob | None:
+    """The job with each kv head's query heads folded into its query rows,
+    when that needs fewer q tiles; None when it does not.
+
+    A q tile holds ``config.br`` query rows of ONE query head (the NPU's
+    controller stacks the heads of a group only at seq_q == 1), so a prefill
+    chunk of Lq < Br rows fills Lq of Br rows, G = H / kv_heads times per kv
+    head.  As G * Lq rows of one kv head (rows ordered head, then query: the
+    same memory order as ``q``), the job takes ceil(G * Lq / Br) q tiles per
+    kv head instead of G * ceil(Lq / Br); e.g. SmolLM2's 4-token prompt: 1
+    instead of 3 (grouped-query "packing", as FlashAttention-3's pack_gqa).
+
+    Every query row keeps its own mask row, its kv head's keys and the same
+    kv tiles (the NPU skips tiles by kv_valid_len alone, as the driver's jobs
+    carry no causal flag, only the mask), and FlashAttention computes each
+    row on its own, so the output is bit-identical
+    (``tb/driver/test_driver_runtime.py``).  ``q_offset`` stays the
+    first row's position; the mask alone decides what each row sees.
+
+    Returns
+    -------
+    AttentionJob with q float16 [kv_heads, G * Lq, head_dim], mask bool
+    [G * Lq, W] (shared mask, tiled per head) or [kv_heads, G * Lq, W]; its
+    output float32 [kv_heads, G * Lq, head_dim] reshapes to the job's
+    [H, Lq, head_dim] in memory order.  None for seq_q == 1 (the controller
+    stacks those itself), G == 1, or no q tile saved.
+    """
+    g, n, br = job.heads // job.kv_heads, job.seq_q, config.br
+    if n == 1 or g == 1 or math.ceil(g * n / br) >= g * math.ceil(n / br):
+        return None
+    kvh, w = job.kv_heads, job.window
+    mask = (np.tile(job.mask, (g, 1)) if job.mask.ndim == 2 else job.mask.reshape(kvh, g * n, w))
+    return AttentionJob(job.layer, job.q.reshape(kvh, g * n, job.head_dim), job.k, job.v, mask, job.scale,
+                        job.q_offset, job.kv_valid_len, job.resident, job.kv_head0)
+
+
 class Transport(abc.ABC):
     """The NPU as the driver sees it: run attention jobs, count what they cost.
 
@@ -280,7 +318,8 @@ class Transport(abc.ABC):
         (no-op unless ``bind_cache`` returned True)."""
 
     def run(self, job: AttentionJob) -> JobResult:
-        """Run one job and add its cost to ``counters``.
+        """Run one job (its query groups packed where that saves q tiles:
+        ``pack_query_groups``) and add its cost to ``counters``.
 
         Raises
         ------
@@ -289,7 +328,8 @@ class Transport(abc.ABC):
             backend returns an output of the wrong shape or dtype.
         """
         self.config.check_head_dim(job.head_dim)
-        return self._account(job, self._run(job))
+        packed = pack_query_groups(job, self.config)
+        return self._unpack(job, packed, self._run(packed or job))
 
     def run_many(self, jobs: list) -> list:
         """Run independent jobs (no job reads another's output), e.g. the
@@ -303,10 +343,18 @@ class Transport(abc.ABC):
         """
         for job in jobs:
             self.config.check_head_dim(job.head_dim)
-        return [self._account(job, res) for job, res in zip(jobs, self._run_many(jobs))]
+        packed = [pack_query_groups(job, self.config) for job in jobs]
+        results = self._run_many([p or job for p, job in zip(packed, jobs)])
+        return [self._unpack(job, p, res) for job, p, res in zip(jobs, packed, results, strict=True)]
 
     def _run_many(self, jobs: list) -> list:
         return [self._run(job) for job in jobs]
+
+    def _unpack(self, job: AttentionJob, packed: AttentionJob | None, res: JobResult) -> JobResult:
+        """``res`` of ``packed`` (``pack_query_groups``) as ``job``'s result, accounted."""
+        if packed is not None and res.o.shape == (packed.heads, packed.seq_q, packed.head_dim):
+            res = JobResult(res.o.reshape(job.heads, job.seq_q, job.head_dim), res.cycles, res.bytes)
+        return self._account(job, res)
 
     def _account(self, job: AttentionJob, res: JobResult) -> JobResult:
         want = (job.heads, job.seq_q, job.head_dim)

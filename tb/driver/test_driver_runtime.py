@@ -27,8 +27,10 @@ from flashnpu.driver.transport import (
     backend_names,
     job_bytes,
     make_transport,
+    pack_query_groups,
     register_backend,
 )
+from flashnpu.golden import flash_attention_hw
 from flashnpu.sim import runner
 
 NPU = small_config()          # 4x4 array, Br = Bc = 8
@@ -135,16 +137,25 @@ def tiny():
 
 
 class RecordingTransport(GoldenTransport):
-    """Golden backend that keeps a copy of every job it ran."""
+    """Golden backend that keeps a copy of every job the driver gave it
+    (before ``pack_query_groups``)."""
 
     def __init__(self, config=NPU):
         super().__init__(config)
         self.jobs = []
 
-    def _run(self, job):
+    def _keep(self, job):
         self.jobs.append(AttentionJob(job.layer, job.q.copy(), job.k.copy(), job.v.copy(), job.mask.copy(),
                                       job.scale, job.q_offset, job.kv_valid_len))
-        return super()._run(job)
+
+    def run(self, job):
+        self._keep(job)
+        return super().run(job)
+
+    def run_many(self, jobs):
+        for job in jobs:
+            self._keep(job)
+        return super().run_many(jobs)
 
 
 def decoder(model, max_prompt_len=16, min_response_len=8, chunk=64, variants=None, transport=None, **kw):
@@ -469,6 +480,50 @@ def test_job_bytes_model():
     mask[:, :100] = True                                   # 100 valid slots of the window: 2 kv tiles
     job = AttentionJob(0, q, kv, kv, mask, 0.125, 0, 100)
     assert job_bytes(job)["kv"] == 2 * 3 * 1 * 100 * 64 * 2         # resident, only the valid slots
+
+
+@pytest.mark.parametrize("heads, kv_heads, seq_q, per_head_mask", [(6, 2, 3, False), (6, 2, 3, True),
+                                                                   (9, 3, 2, False), (4, 1, 5, True)])
+def test_packed_query_groups_give_the_same_bits_in_fewer_q_tiles(heads, kv_heads, seq_q, per_head_mask):
+    """A short query block with its group's heads folded into the rows: the
+    golden model gives the unpacked job's output bit for bit, the NPU needs
+    fewer q tiles (Br = 8 here), and the transport sends the packed job."""
+    rng = np.random.default_rng(heads * 100 + seq_q)
+    w, kvl, d = 21, 17, 8
+    q = (rng.standard_normal((heads, seq_q, d)) * 2).astype(np.float16)
+    k = (rng.standard_normal((kv_heads, w, d)) * 2).astype(np.float16)
+    v = rng.standard_normal((kv_heads, w, d)).astype(np.float16)
+    pos = kvl - seq_q + np.arange(seq_q)
+    mask = np.arange(w)[None, :] <= pos[:, None]
+    if per_head_mask:
+        mask = np.broadcast_to(mask, (heads, seq_q, w)) & (rng.random((heads, seq_q, w)) < 0.8)
+        mask[..., 0] = True
+    job = AttentionJob(0, q, k, v, mask, 0.3, int(pos[0]), kvl)
+    packed = pack_query_groups(job, NPU)
+    g = heads // kv_heads
+    assert packed.q.shape == (kv_heads, g * seq_q, d)
+    assert -(-g * seq_q // NPU.br) < g * -(-seq_q // NPU.br)
+    want = flash_attention_hw(q, k, v, mask=mask, kv_valid_len=kvl, scale=0.3, config=NPU).o
+    got = flash_attention_hw(packed.q, k, v, mask=packed.mask, kv_valid_len=kvl, scale=0.3, config=NPU).o
+    assert np.array_equal(got.reshape(want.shape).view(np.uint32), want.view(np.uint32))
+
+    sent = []
+
+    class Spy(GoldenTransport):
+        def _run(self, job):
+            sent.append(job.q.shape)
+            return super()._run(job)
+
+    res = Spy(NPU).run(job)
+    assert sent == [packed.q.shape] and np.array_equal(res.o.view(np.uint32), want.view(np.uint32))
+
+
+def test_query_groups_not_packed_where_no_q_tile_is_saved():
+    kv = np.zeros((2, 16, 8), np.float16)
+    for heads, seq_q in ((6, 1), (2, 3), (6, 8), (6, 16)):     # decode, no group, whole q tiles
+        q = np.zeros((heads, seq_q, 8), np.float16)
+        job = AttentionJob(0, q, kv, kv, np.ones((seq_q, 16), bool), 0.3, 0, 16)
+        assert pack_query_groups(job, NPU) is None, (heads, seq_q)
 
 
 def test_job_validation():
