@@ -129,8 +129,9 @@ def test_generate_step_is_one_job_per_layer_with_all_heads(smollm2, girl_run):
     ids, res, shapes = girl_run
     n = len(ids)
     assert res.stats["jobs"] == 30 * 8 and res.stats["jobs_per_token"] == 30
-    # prefill, window 64
-    assert shapes[0] == ((9, n, 64), (3, 64, 64), np.dtype(np.float16), np.dtype(np.float16))
+    # prefill, window 64, as the backend gets it: each kv head's 3 query heads packed into
+    # 3 n rows of one q tile (pack_query_groups; n < Br)
+    assert shapes[0] == ((3, 3 * n, 64), (3, 64, 64), np.dtype(np.float16), np.dtype(np.float16))
     assert set(shapes[30:]) == {((9, 1, 64), (3, 64, 64), np.dtype(np.float16), np.dtype(np.float16))}
     assert res.stats["npu_cycles"] is None and res.stats["npu_cycles_per_token"] is None
 
