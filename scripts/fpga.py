@@ -824,12 +824,13 @@ def _merge(paths: list[Path], out: Path) -> int:
     merged["command"] = " ; ".join(r["command"] for r in recs)
     merged["runs"] = []
     for r in recs:
-        for run in r.get("runs", []):      # every record's runs, each with its own seed and target
-            merged["runs"].append({"command": r["command"], "seed": r.get("seed"), "freq_mhz": r.get("freq_mhz"),
-                                   **run})
-        for k in ("auto", "board", "freq_mhz", "seed", "top"):
-            if r.get("runs") and k in r:
-                merged[k] = r[k]
+        if r.get("runs"):
+            # every record's runs, each with its own command, seed and target
+            merged["runs"] += [{"command": r["command"], "seed": r.get("seed"), "freq_mhz": r.get("freq_mhz"),
+                                **run} for run in r["runs"]]
+            for k in ("auto", "board", "freq_mhz", "seed", "top"):
+                if k in r:
+                    merged[k] = r[k]
         if r.get("generic"):
             merged["generic"] = r["generic"]
     merged["merged_from"] = [str(p) for p in paths]
